@@ -1,0 +1,117 @@
+"""``PPBreakableConfig``: the validated form of ``torch.compile(..., options={...})``.
+
+Every key is a field below. Unknown keys and bad values raise ``ValueError`` naming the key, the value
+and the valid choices, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ppcompile import envs
+
+__all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PPBreakableConfig"]
+
+DEFAULT_MAX_CAPTURE_TOKENS = 8192
+"""Last size where the seed engine change measured graphs ahead of eager on a PP stage."""
+
+SEGMENT_COMPILERS = ("eager", "inductor")
+GRAPH_MODES = ("auto", "cuda", "emulate", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPBreakableConfig:
+    """Options of the ``pp_breakable`` backend.
+
+    Attributes:
+        capture_sizes: explicit token buckets to capture; overrides the default ladder and
+            ``max_capture_tokens`` (the largest size becomes the cap).
+        max_capture_tokens: cap of the default ladder; forwards above it run eagerly.
+        split_ops: extra ops to break at, as ``"namespace::op"`` strings or op objects. Attention of the
+            reference models and ``scaled_dot_product_attention`` are always breaks.
+        segment_compiler: ``"eager"`` runs each graph segment's FX code as is; ``"inductor"`` compiles it.
+        graph_mode: ``"cuda"`` (CUDA graphs), ``"emulate"`` (CPU emulation of graph semantics),
+            ``"eager"`` (same static-buffer path, no graphs) or ``"auto"`` (cuda on CUDA tensors, else
+            emulate).
+        max_padding_factor: a forward whose bucket exceeds this times its token count runs eagerly.
+        dump_dir: write pass dumps here (default: ``PPCOMPILE_DUMP_DIR``).
+        debug: check at every replay that graphs read the captured tensors, and detect reads of
+            outputs that a later call overwrote.
+        owned_outputs: return copies instead of views into static output buffers.
+    """
+
+    capture_sizes: tuple[int, ...] | None = None
+    max_capture_tokens: int = DEFAULT_MAX_CAPTURE_TOKENS
+    split_ops: tuple[Any, ...] = ()
+    segment_compiler: str = "eager"
+    graph_mode: str = "auto"
+    max_padding_factor: float = 2.0
+    dump_dir: str | None = None
+    debug: bool = False
+    owned_outputs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.capture_sizes is not None:
+            sizes = self.capture_sizes
+            if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+                _bad("capture_sizes", sizes, "a non-empty list of positive ints")
+            if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+                _bad("capture_sizes", sizes, "a non-empty list of positive ints")
+            object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
+        mct = self.max_capture_tokens
+        if isinstance(mct, bool) or not isinstance(mct, int) or mct < 1:
+            _bad("max_capture_tokens", mct, "a positive int")
+        if isinstance(self.split_ops, (str, bytes)) or not isinstance(self.split_ops, Sequence):
+            _bad("split_ops", self.split_ops, 'a list of "namespace::op" strings or op objects')
+        object.__setattr__(self, "split_ops", tuple(self.split_ops))
+        for op in self.split_ops:
+            if isinstance(op, str) and (op.count("::") != 1 or not all(op.split("::"))):
+                _bad("split_ops", op, 'strings of the form "namespace::op"')
+        if self.segment_compiler not in SEGMENT_COMPILERS:
+            _bad("segment_compiler", self.segment_compiler, " | ".join(map(repr, SEGMENT_COMPILERS)))
+        if self.graph_mode not in GRAPH_MODES:
+            _bad("graph_mode", self.graph_mode, " | ".join(map(repr, GRAPH_MODES)))
+        mpf = self.max_padding_factor
+        if isinstance(mpf, bool) or not isinstance(mpf, (int, float)) or not mpf >= 1.0:
+            _bad("max_padding_factor", mpf, "a number >= 1.0")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+            _bad("dump_dir", self.dump_dir, "a path string or None")
+        for flag in ("debug", "owned_outputs"):
+            if not isinstance(getattr(self, flag), bool):
+                _bad(flag, getattr(self, flag), "True or False")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> PPBreakableConfig:
+        """Builds the config from ``torch.compile``'s ``options`` dict; rejects unknown keys."""
+        options = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"pp_breakable: unknown option(s) {unknown}; valid options are {valid}"
+            )
+        if "dump_dir" not in options:
+            options["dump_dir"] = envs.dump_dir()
+        if isinstance(options.get("capture_sizes"), (list, tuple)):
+            options["capture_sizes"] = tuple(options["capture_sizes"])
+        return cls(**options)
+
+    @property
+    def cap(self) -> int:
+        """Largest token count served by a graph."""
+        return max(self.capture_sizes) if self.capture_sizes else self.max_capture_tokens
+
+    def compute_hash(self) -> str:
+        """A stable hash of every field that changes what is compiled or captured."""
+        fields = dataclasses.asdict(self)
+        fields.pop("dump_dir")
+        fields["split_ops"] = [str(op) for op in self.split_ops]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _bad(key: str, value: Any, valid: str) -> None:
+    raise ValueError(f"pp_breakable option {key!r}: got {value!r}; expected {valid}")

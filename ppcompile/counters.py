@@ -1,0 +1,71 @@
+"""Process-wide counters of what compiled stages did, for tests, logs and benchmarks.
+
+``replays`` and ``eager_runs`` count stage forwards (one per call of a compiled stage) by the path that
+served them; ``replays_by_bucket`` splits replays by bucket; ``captures`` counts captured (segment,
+bucket) graphs; ``backend_compiles`` counts calls of the backend by Dynamo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["Counters", "counters"]
+
+
+@dataclasses.dataclass
+class Counters:
+    replays: int = 0
+    eager_runs: int = 0
+    captures: int = 0
+    backend_compiles: int = 0
+    replays_by_bucket: Counter[int] = dataclasses.field(default_factory=Counter)
+
+    def reset(self) -> None:
+        """Sets every count back to zero."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Counter):
+                value.clear()
+            else:
+                setattr(self, f.name, 0)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of the current counts."""
+        return {
+            f.name: dict(getattr(self, f.name)) if f.name == "replays_by_bucket" else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        }
+
+    @contextlib.contextmanager
+    def expect(self, **deltas: Any) -> Iterator[None]:
+        """Asserts that the block changes each named count by exactly the given delta.
+
+        ``replays_by_bucket`` takes a dict ``{bucket: delta}``; buckets not named must not change.
+        """
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(deltas) - names)
+        if unknown:
+            raise ValueError(f"counters.expect: unknown counter(s) {unknown}; valid: {sorted(names)}")
+        before = self.snapshot()
+        yield
+        after = self.snapshot()
+        errors = []
+        for name, want in deltas.items():
+            if name == "replays_by_bucket":
+                keys = set(before[name]) | set(after[name]) | set(want)
+                got = {k: after[name].get(k, 0) - before[name].get(k, 0) for k in keys}
+                got = {k: v for k, v in got.items() if v}
+                want = {k: v for k, v in want.items() if v}
+            else:
+                got = after[name] - before[name]
+            if got != want:
+                errors.append(f"{name}: expected change {want}, got {got}")
+        if errors:
+            raise AssertionError("counters.expect failed: " + "; ".join(errors))
+
+
+counters = Counters()
