@@ -3,9 +3,36 @@ pipeline-parallel stage, breaking at attention and padding live batches to captu
 
 from __future__ import annotations
 
+from ppcompile.backends.pp_breakable import pp_breakable, stage_runtimes
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
+from ppcompile.passes.op_matching import register_attention_op
 from ppcompile.proxy import PPProxyTensors
 
-__all__ = ["PPBreakableConfig", "PPProxyTensors", "counters"]
+__all__ = [
+    "PPBreakableConfig",
+    "PPProxyTensors",
+    "counters",
+    "pp_breakable",
+    "register_attention_op",
+    "stage_runtimes",
+]
 __version__ = "0.1.0"
+
+BACKEND_NAME = "pp_breakable"
+
+
+def _register_backend() -> None:
+    """Registers the backend by name unless the entry point mechanism will (or did).
+
+    Dynamo's entry-point discovery imports this package and then registers the backend itself; doing
+    it here as well would raise "duplicate name". So register only when discovery has not seen us.
+    """
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME in registry._COMPILER_FNS or registry._BACKENDS.get(BACKEND_NAME) is not None:
+        return
+    registry.register_backend(pp_breakable, name=BACKEND_NAME)
+
+
+_register_backend()

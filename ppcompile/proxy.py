@@ -20,9 +20,9 @@ class PPProxyTensors(Mapping[str, torch.Tensor]):
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         self.tensors = dict(tensors)
 
-    def __getitem__(self, key: str) -> torch.Tensor:  # type: ignore[override]
+    def __getitem__(self, key: str) -> torch.Tensor:
         if isinstance(key, slice):
-            return PPProxyTensors({k: v[key] for k, v in self.tensors.items()})  # type: ignore[return-value]
+            return PPProxyTensors({k: v[key] for k, v in self.tensors.items()})
         return self.tensors[key]
 
     def __iter__(self) -> Iterator[str]:

@@ -1,0 +1,89 @@
+"""The ``pp_breakable`` Dynamo backend: passes, segment compilation, and the stage runtime.
+
+Found by ``torch.compile(backend="pp_breakable")`` through the ``torch_dynamo_backends`` entry point,
+and registered on ``import ppcompile`` as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ppcompile.config import PPBreakableConfig
+from ppcompile.counters import counters
+from ppcompile.passes.context import PassContext
+from ppcompile.passes.manager import run_passes
+from ppcompile.runtime.buckets import make_bucket_plan
+from ppcompile.runtime.program import build_program
+from ppcompile.runtime.stage_runtime import StageRuntime
+
+from .segment_compilers import compile_segment
+
+__all__ = ["pp_breakable", "stage_runtimes"]
+
+log = logging.getLogger(__name__)
+
+_RUNTIMES: list[weakref.ref[StageRuntime]] = []
+
+
+def stage_runtimes() -> list[StageRuntime]:
+    """The stage runtimes this process has built that are still alive, oldest first."""
+    alive = [r() for r in _RUNTIMES]
+    return [r for r in alive if r is not None]
+
+
+def _graph_name() -> str:
+    ctx = torch._guards.CompileContext.try_get()
+    compile_id = getattr(ctx, "compile_id", None) if ctx is not None else None
+    suffix = str(compile_id).replace("/", "_") if compile_id is not None else str(len(_RUNTIMES))
+    return f"stage_graph_{suffix}"
+
+
+def _resolve_graph_mode(config: PPBreakableConfig, example_inputs: list[Any]) -> str:
+    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    mode = config.graph_mode
+    if mode == "auto":
+        return "cuda" if on_cuda and torch.cuda.is_available() else "emulate"
+    if mode == "cuda" and not on_cuda:
+        raise ValueError(
+            "pp_breakable option 'graph_mode': got 'cuda' but the stage's tensors are not on a CUDA "
+            "device; use 'auto' or 'emulate' on CPU"
+        )
+    return mode
+
+
+def pp_breakable(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    options: Mapping[str, Any] | None = None,
+    **_: Any,
+) -> StageRuntime:
+    """Compiles one Dynamo graph of a PP stage into a ``StageRuntime``."""
+    config = PPBreakableConfig.from_options(options)
+    counters.backend_compiles += 1
+    name = _graph_name()
+    ctx = PassContext(config=config, example_inputs=list(example_inputs), graph_name=name)
+    split = run_passes(gm, ctx)
+    compiled = {}
+    for node in split.graph.find_nodes(op="call_module"):
+        submod = getattr(split, str(node.target))
+        segment = node.meta["pp_segment"]
+        compiler = config.segment_compiler if segment.is_graph and not ctx.is_static else "eager"
+        compiled[str(node.target)] = compile_segment(submod, compiler)
+    program = build_program(split, ctx, compiled)
+    runtime = StageRuntime(
+        name=name,
+        program=program,
+        ctx=ctx,
+        plan=make_bucket_plan(config),
+        graph_mode=_resolve_graph_mode(config, example_inputs),
+        config=config,
+    )
+    runtime.split_module = split  # type: ignore[attr-defined]
+    _RUNTIMES.append(weakref.ref(runtime))
+    log.info("%s", runtime.describe())
+    return runtime

@@ -1,0 +1,171 @@
+"""Building blocks of the reference packed-token decoder (activations are ``[T, hidden]``).
+
+Everything here traces with Dynamo under ``fullgraph=True, dynamic=True``: no branching on tensor values
+or on the token count, no ``.item()``, no data-dependent shapes (the MoE evaluates every expert densely).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ppcompile.models.attention  # noqa: F401  (registers torch.ops.ppcompile.attention)
+from ppcompile.models.config import ModelConfig
+
+__all__ = ["MLP", "Attention", "DecoderLayer", "MoE", "PPMissingLayer", "RMSNorm", "RotaryEmbedding"]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; ``forward(x, residual)`` first adds ``residual`` and returns ``(normed, x + residual)``."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding over a ``cos_sin_cache`` buffer ``[max_position, head_dim]``."""
+
+    cos_sin_cache: torch.Tensor
+
+    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions``: int64 ``[T]``; ``q``: ``[T, Hq, D]``; ``k``: ``[T, Hkv, D]``."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+class Attention(nn.Module):
+    """GQA self-attention whose core is the opaque ``torch.ops.ppcompile.attention`` op."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = int(layer_id)  # GLOBAL layer id, a python int constant in the graph
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = torch.ops.ppcompile.attention(q, k, v.contiguous(), self.layer_id)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate) * up)``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    """Top-k routed mixture of SwiGLU experts, evaluated densely so every shape is static.
+
+    Each expert runs on all tokens; a ``[T, E]`` weight matrix (renormalised top-k softmax probabilities
+    scattered into zeros) mixes their outputs.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.experts_top_k
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        weights = torch.zeros_like(probs).scatter(1, top_i, top_w).to(x.dtype)  # [T, E]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + weights[:, e : e + 1] * expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer for GLOBAL layer ``layer_id``.
+
+    Fused-residual mode: ``forward(positions, hidden, residual) -> (hidden, residual)`` (``residual=None``
+    only for global layer 0, which then starts the residual stream). Hidden-only mode
+    (``cfg.hidden_only``): ``forward(positions, hidden) -> hidden`` with plain residual adds.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = int(layer_id)
+        self.hidden_only = cfg.hidden_only
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp: nn.Module = MoE(cfg) if cfg.num_experts else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.hidden_only:
+            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class PPMissingLayer(nn.Module):
+    """Placeholder for a layer owned by another PP stage; keeps ``layers[i]`` at global numbering."""
+
+    def forward(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "PPMissingLayer was called: this layer belongs to another pipeline stage; "
+            "run only layers[start_layer:end_layer]"
+        )

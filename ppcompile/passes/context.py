@@ -1,0 +1,72 @@
+"""What the passes share: the config, the example inputs, and the facts each pass establishes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import sympy
+import torch
+
+from ppcompile.config import PPBreakableConfig
+from ppcompile.records import InputKind, Segment, StaticBuffer
+
+__all__ = ["OutputTrim", "PassContext", "PassResult", "StaticInputPlan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    """What a pass returns: the (possibly new) graph module and whether it changed the graph."""
+
+    graph_module: torch.fx.GraphModule
+    modified: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticInputPlan:
+    """A top-level input that graph segments read, lifted into a static buffer."""
+
+    input_index: int
+    buffer: StaticBuffer
+    size_exprs: tuple[sympy.Expr, ...]  # the input's shape in terms of the symbols
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputTrim:
+    """How one stage output gets back to its live size: the dims to narrow and their size exprs."""
+
+    output_index: int
+    dims: tuple[tuple[int, sympy.Expr], ...]
+
+
+@dataclasses.dataclass
+class PassContext:
+    """Facts established by the passes, in the order they run.
+
+    ``find_token_dims`` fills ``token_symbol``, ``input_kinds`` and ``token_input``;
+    ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``split_at_breaks`` fills
+    ``segments``; ``lift_static_inputs`` fills ``static_inputs`` and ``bridges``;
+    ``plan_output_trim`` fills ``trims``.
+    """
+
+    config: PPBreakableConfig
+    example_inputs: list[Any]
+    graph_name: str = "stage"
+    token_symbol: sympy.Symbol | None = None
+    input_kinds: list[InputKind] = dataclasses.field(default_factory=list)
+    token_input: tuple[int, int] | None = None  # (input index, dim) that carries the token count
+    symint_inputs: dict[int, sympy.Expr] = dataclasses.field(default_factory=dict)
+    other_symbols: frozenset[sympy.Symbol] = frozenset()
+    layer_ids: tuple[int, ...] = ()
+    eligible: bool = True
+    ineligible_reason: str | None = None
+    segments: list[Segment] = dataclasses.field(default_factory=list)
+    static_inputs: list[StaticInputPlan] = dataclasses.field(default_factory=list)
+    bridges: dict[str, StaticBuffer] = dataclasses.field(default_factory=dict)
+    trims: list[OutputTrim] = dataclasses.field(default_factory=list)
+    pass_times: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_static(self) -> bool:
+        """True when the graph has no token symbol (Dynamo traced it with concrete sizes)."""
+        return self.token_symbol is None

@@ -1,0 +1,117 @@
+"""Pass ``find_token_dims``: which dims of which inputs, intermediates and outputs scale with tokens.
+
+The token count is the symbol that Dynamo gave the leading dim of the stage's live tensor inputs
+(``input_ids``, ``positions``, the PP proxies). Every node whose traced shape mentions that symbol gets
+``node.meta["pp_token_dims"] = ((dim, size_expr), ...)``; SymInt nodes get ``meta["pp_size_expr"]``.
+Sizes are sympy expressions after the ShapeEnv's replacements, so an output of size ``s0 // 2`` is
+recorded as ``FloorDiv(s0, 2)`` and later trims to ``n // 2``.
+
+Before (Dynamo graph; ``s0`` is the token count)::
+
+    def forward(self, s0: Sym(s0), L_x_: f32[s0, 64], L_w_: f32[64, 64]):
+        linear = torch._C._nn.linear(L_x_, L_w_)       # f32[s0, 64]
+        floordiv = s0 // 2
+        view = linear.view(floordiv, 128)               # f32[s0//2, 128]
+        return (view,)
+
+After (same code; meta added)::
+
+    L_x_.meta["pp_token_dims"]   == ((0, s0),)
+    linear.meta["pp_token_dims"] == ((0, s0),)
+    floordiv.meta["pp_size_expr"] == s0//2
+    view.meta["pp_token_dims"]   == ((0, s0//2),)
+    L_w_.meta["pp_token_dims"]   == ()          # a parameter: module state, read in place
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+
+import sympy
+import torch
+
+from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.records import InputKind
+from ppcompile.symbolic import example_value, shape_exprs, size_expr
+
+__all__ = ["classify_input", "find_token_dims"]
+
+log = logging.getLogger(__name__)
+
+_MODULE_STATE_SOURCE = re.compile(r"\._(parameters|buffers)\[")
+
+
+def classify_input(node: torch.fx.Node, example: object) -> InputKind:
+    """Module state (parameters/buffers, read in place), live tensors, or dynamic sizes."""
+    if isinstance(example, torch.SymInt):
+        return InputKind.SYMINT
+    if not isinstance(example, torch.Tensor):
+        return InputKind.OTHER
+    if isinstance(example, torch.nn.Parameter):
+        return InputKind.MODULE_STATE
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is not None and _MODULE_STATE_SOURCE.search(source.name):
+        return InputKind.MODULE_STATE
+    return InputKind.TENSOR
+
+
+def _token_dims(value: torch.Tensor, token: sympy.Symbol) -> tuple[tuple[int, sympy.Expr], ...]:
+    return tuple((d, e) for d, e in enumerate(shape_exprs(value)) if token in e.free_symbols)
+
+
+def _pick_token_symbol(
+    placeholders: list[torch.fx.Node], kinds: list[InputKind]
+) -> tuple[sympy.Symbol | None, tuple[int, int] | None]:
+    """The bare symbol most often found as a live tensor input's leading dim (else any dim)."""
+    for leading_only in (True, False):
+        votes: Counter[sympy.Symbol] = Counter()
+        first: dict[sympy.Symbol, tuple[int, int]] = {}
+        for i, (node, kind) in enumerate(zip(placeholders, kinds)):
+            value = example_value(node)
+            if kind is not InputKind.TENSOR or value.dim() == 0:
+                continue
+            exprs = shape_exprs(value)
+            for d, e in enumerate(exprs[:1] if leading_only else exprs):
+                if isinstance(e, sympy.Symbol):
+                    votes[e] += 1
+                    first.setdefault(e, (i, d))
+        if votes:
+            symbol = max(votes, key=lambda s: (votes[s], -first[s][0]))
+            return symbol, first[symbol]
+    return None, None
+
+
+def find_token_dims(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Annotates token dims on every node; fills ``ctx.token_symbol``, ``input_kinds``, ``token_input``."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    examples = [example_value(p) for p in placeholders]
+    ctx.input_kinds = [classify_input(p, ex) for p, ex in zip(placeholders, examples)]
+    ctx.token_symbol, ctx.token_input = _pick_token_symbol(placeholders, ctx.input_kinds)
+    token = ctx.token_symbol
+    if token is None:
+        log.info("%s: no dynamic token dim (Dynamo traced concrete sizes); the stage runs eagerly "
+                 "until Dynamo recompiles it dynamic", ctx.graph_name)
+        return PassResult(gm, modified=False)
+
+    others: set[sympy.Symbol] = set()
+    for node in gm.graph.nodes:
+        value = example_value(node)
+        if isinstance(value, torch.Tensor):
+            exprs = shape_exprs(value)
+            node.meta["pp_token_dims"] = tuple((d, e) for d, e in enumerate(exprs) if token in e.free_symbols)
+            for e in exprs:
+                others.update(e.free_symbols - {token})
+        elif isinstance(value, torch.SymInt):
+            expr = size_expr(value)
+            node.meta["pp_size_expr"] = expr
+            others.update(expr.free_symbols - {token})
+    for i, node in enumerate(placeholders):
+        if ctx.input_kinds[i] is InputKind.SYMINT:
+            ctx.symint_inputs[i] = node.meta["pp_size_expr"]
+    ctx.other_symbols = frozenset(others)
+    log.debug("%s: token symbol %s (input %d dim %d); other symbols %s",
+              ctx.graph_name, token, *ctx.token_input or (-1, -1), sorted(map(str, others)))
+    return PassResult(gm, modified=False)

@@ -1,0 +1,109 @@
+"""Matching FX nodes against ops, as ``OpOverload`` and as ``OpOverloadPacket``, never by name alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ATTENTION_LAYER_ARGS",
+    "OpMatcher",
+    "always_split_ops",
+    "register_attention_op",
+    "resolve_op",
+]
+
+# Attention ops that take a global layer id, and the name of that argument. Strings resolve lazily, so
+# the namespace of an op only needs to be loaded by the time a stage is compiled.
+ATTENTION_LAYER_ARGS: dict[str, str] = {"ppcompile::attention": "layer_id"}
+
+_SDPA_TARGETS: tuple[Any, ...] = (
+    torch.nn.functional.scaled_dot_product_attention,
+    torch._C._nn.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+)
+
+
+def register_attention_op(op: str | Any, layer_id_arg: str = "layer_id") -> None:
+    """Makes ``op`` an attention break whose argument ``layer_id_arg`` is its global layer id."""
+    ATTENTION_LAYER_ARGS[op if isinstance(op, str) else _qualname(resolve_op(op))] = layer_id_arg
+
+
+def resolve_op(op: str | Any) -> Any:
+    """``"ns::name"`` -> ``torch.ops.ns.name`` (a packet); ops and callables pass through."""
+    if not isinstance(op, str):
+        return op
+    ns, _, name = op.partition("::")
+    try:
+        return getattr(getattr(torch.ops, ns), name)
+    except (AttributeError, RuntimeError) as e:
+        raise ValueError(
+            f"pp_breakable: split op {op!r} is not a registered torch op; import the module that "
+            f"defines it before compiling (torch.ops.{ns} has no {name!r})"
+        ) from e
+
+
+def _qualname(op: Any) -> str:
+    if isinstance(op, torch._ops.OpOverload):
+        op = op.overloadpacket
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    return getattr(op, "__qualname__", str(op))
+
+
+def always_split_ops() -> list[Any]:
+    """Attention ops that are breaks in every stage: the registered attention ops and SDPA."""
+    ops: list[Any] = list(_SDPA_TARGETS)
+    for name in ATTENTION_LAYER_ARGS:
+        try:
+            ops.append(resolve_op(name))
+        except ValueError:
+            continue  # not loaded in this process: no graph can contain it
+    return ops
+
+
+class OpMatcher:
+    """Matches a node whose target is one of ``ops``: a packet matches all its overloads."""
+
+    def __init__(self, ops: Iterable[Any]) -> None:
+        self._targets: set[Any] = set()
+        for op in ops:
+            op = resolve_op(op)
+            self._targets.add(op)
+            if isinstance(op, torch._ops.OpOverload):
+                self._targets.add(op.overloadpacket)
+            elif isinstance(op, torch._ops.OpOverloadPacket):
+                self._targets.update(getattr(op, o) for o in op.overloads())
+
+    def matches(self, node: torch.fx.Node) -> bool:
+        if node.op != "call_function":
+            return False
+        target = node.target
+        if target in self._targets:
+            return True
+        return isinstance(target, torch._ops.OpOverload) and target.overloadpacket in self._targets
+
+
+def attention_layer_id(node: torch.fx.Node) -> int | None:
+    """The global layer id argument of a call to a registered attention op, or None."""
+    target = node.target
+    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return None
+    arg_name = ATTENTION_LAYER_ARGS.get(packet._qualified_op_name)
+    if arg_name is None:
+        return None
+    if arg_name in node.kwargs:
+        value = node.kwargs[arg_name]
+    else:
+        schema = (target if isinstance(target, torch._ops.OpOverload) else packet.default)._schema
+        names = [a.name for a in schema.arguments]
+        if arg_name not in names or names.index(arg_name) >= len(node.args):
+            return None
+        value = node.args[names.index(arg_name)]
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

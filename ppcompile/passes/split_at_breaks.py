@@ -1,0 +1,164 @@
+"""Pass ``split_at_breaks``: cut the stage graph into graph segments and break segments.
+
+Break nodes run eagerly on live-size tensors between graph segments: attention ops (the registered
+attention ops and ``scaled_dot_product_attention``), every op in the ``split_ops`` option (matched as
+``OpOverload`` or packet), and nodes whose shapes depend on a dynamic symbol other than the token count
+(they cannot be captured per token bucket). Each attention or split op gets a partition of its own; a
+run of consecutive non-token-shape nodes shares one. ``getitem`` nodes that unpack a break op's tuple
+stay with it. The split keeps the original node order (in-place ops stay where they were).
+
+Before::
+
+    def forward(self, s0, L_x_, L_w_):
+        linear = torch._C._nn.linear(L_x_, L_w_)
+        attention = torch.ops.ppcompile.attention(linear, linear, linear, 0)
+        relu = torch.relu(attention)
+        return (relu,)
+
+After::
+
+    def forward(self, s0, L_x_, L_w_):
+        submod_0 = self.submod_0(L_x_, L_w_)    # graph segment
+        submod_1 = self.submod_1(submod_0)      # break: attention, global layer 0
+        submod_2 = self.submod_2(submod_1)      # graph segment
+        return (submod_2,)
+
+``ctx.segments`` lists them in order; each call node gets ``meta["pp_segment"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch.fx.passes.split_module import split_module
+
+from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.passes.op_matching import OpMatcher, always_split_ops
+from ppcompile.records import BreakKind, BreakReason, Segment
+from ppcompile.symbolic import example_value, shape_exprs, size_expr
+
+__all__ = ["split_at_breaks"]
+
+log = logging.getLogger(__name__)
+
+_COPIED_META = ("example_value", "val", "pp_token_dims", "pp_size_expr")
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _mentions_other_symbols(node: torch.fx.Node, ctx: PassContext) -> bool:
+    if not ctx.other_symbols:
+        return False
+    value = example_value(node)
+    if isinstance(value, torch.Tensor):
+        exprs = shape_exprs(value)
+    elif isinstance(value, torch.SymInt):
+        exprs = (size_expr(value),)
+    else:
+        return False
+    return any(e.free_symbols & ctx.other_symbols for e in exprs)
+
+
+def _break_reason(
+    node: torch.fx.Node, ctx: PassContext, attention: OpMatcher, user: OpMatcher
+) -> BreakReason | None:
+    trace = node.meta.get("stack_trace")
+    if attention.matches(node):
+        layer = node.meta.get("pp_layer_id")
+        detail = f"global layer {layer}" if layer is not None else ""
+        return BreakReason(BreakKind.ATTENTION, _op_name(node), detail, trace)
+    if user.matches(node):
+        return BreakReason(BreakKind.USER_SPLIT_OP, _op_name(node), "listed in split_ops", trace)
+    if node.op == "call_function" and _mentions_other_symbols(node, ctx):
+        others = ", ".join(sorted(str(s) for s in ctx.other_symbols))
+        return BreakReason(
+            BreakKind.NON_TOKEN_SHAPE, _op_name(node),
+            f"shape depends on {others}, not only on the token count", trace,
+        )
+    return None
+
+
+def _has_tensor_output(submod: torch.fx.GraphModule) -> bool:
+    (out,) = submod.graph.find_nodes(op="output")
+    values = torch.fx.node.map_arg(out.args, lambda n: n)
+    flat = torch.utils._pytree.tree_leaves(values)
+    return any(isinstance(n, torch.fx.Node) and isinstance(example_value(n), torch.Tensor) for n in flat)
+
+
+def _annotate_outputs(split: torch.fx.GraphModule, call: torch.fx.Node, submod: torch.fx.GraphModule) -> None:
+    """Copies the traced value and token dims of a segment's outputs onto its nodes in ``split``."""
+    (out,) = submod.graph.find_nodes(op="output")
+    result = out.args[0]
+    if isinstance(result, (tuple, list)):
+        for user in call.users:
+            if user.op == "call_function" and user.target is operator.getitem:
+                src = result[user.args[1]]  # type: ignore[index]
+                if isinstance(src, torch.fx.Node):
+                    user.meta.update({k: v for k, v in src.meta.items() if k.startswith(_COPIED_META)})
+    elif isinstance(result, torch.fx.Node):
+        call.meta.update({k: v for k, v in result.meta.items() if k.startswith(_COPIED_META)})
+
+
+def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Splits ``gm`` into ``submod_<i>`` segments; fills ``ctx.segments``."""
+    attention = OpMatcher(always_split_ops())
+    user = OpMatcher(ctx.config.split_ops)
+    partition: dict[torch.fx.Node, int] = {}
+    reasons: dict[int, BreakReason] = {}
+    layer_ids: dict[int, tuple[int, ...]] = {}
+    part = 0
+    current_is_break = False
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in partition:
+            parent = partition[node.args[0]]
+            if parent in reasons:
+                partition[node] = parent
+                continue
+        reason = _break_reason(node, ctx, attention, user)
+        if reason is None:
+            if current_is_break:
+                part += 1
+                current_is_break = False
+        elif reason.kind is BreakKind.NON_TOKEN_SHAPE and current_is_break and (
+            reasons[part].kind is BreakKind.NON_TOKEN_SHAPE
+        ):
+            pass  # extend the current run of non-token-shape nodes
+        else:
+            part += 1
+            reasons[part] = reason
+            if "pp_layer_id" in node.meta:
+                layer_ids[part] = (node.meta["pp_layer_id"],)
+            current_is_break = True
+        partition[node] = part
+
+    split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
+    ctx.segments = []
+    for node in split.graph.find_nodes(op="call_module"):
+        index = int(str(node.target).rsplit("_", 1)[1])
+        submod = getattr(split, str(node.target))
+        reason = reasons.get(index)
+        if reason is None and not _has_tensor_output(submod):
+            reason = BreakReason(BreakKind.NO_TENSOR_OUTPUTS, "size arithmetic", "nothing to capture")
+        segment = Segment(
+            name=str(node.target),
+            kind="graph" if reason is None else "break",
+            num_nodes=sum(1 for n in submod.graph.nodes if n.op not in ("placeholder", "output")),
+            reason=reason,
+            layer_ids=layer_ids.get(index, ()),
+        )
+        node.meta["pp_segment"] = segment
+        ctx.segments.append(segment)
+        _annotate_outputs(split, node, submod)
+    n_graph = sum(s.is_graph for s in ctx.segments)
+    log.debug("%s: %d segments (%d graph, %d break)", ctx.graph_name, len(ctx.segments), n_graph,
+              len(ctx.segments) - n_graph)
+    return PassResult(split, modified=True)

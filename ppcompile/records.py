@@ -1,0 +1,79 @@
+"""Small frozen records shared by the passes, the runtime and the reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+__all__ = ["BreakKind", "BreakReason", "InputKind", "Segment", "StaticBuffer"]
+
+
+class BreakKind(str, enum.Enum):
+    """Why a segment runs eagerly between graph segments."""
+
+    ATTENTION = "attention"
+    USER_SPLIT_OP = "user split op"
+    NON_TOKEN_SHAPE = "non-token dynamic shape"
+    NO_TENSOR_OUTPUTS = "no tensor outputs"
+    OTHER = "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakReason:
+    """Why one break segment exists: its kind, the op that caused it and a human-readable detail."""
+
+    kind: BreakKind
+    op: str
+    detail: str = ""
+    stack_trace: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}: {self.op}" + (f" ({self.detail})" if self.detail else "")
+
+
+class InputKind(str, enum.Enum):
+    """What a top-level graph input is."""
+
+    MODULE_STATE = "module state"  # parameter or buffer: fixed address, read directly by graphs
+    TENSOR = "tensor"  # a live input (token inputs, PP proxies, ...): copied into a static buffer
+    SYMINT = "symint"  # a dynamic size: evaluated for the bucket (graphs) or the live count (breaks)
+    OTHER = "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One piece of the split stage graph, in execution order."""
+
+    name: str
+    kind: str  # "graph" or "break"
+    num_nodes: int
+    reason: BreakReason | None = None
+    layer_ids: tuple[int, ...] = ()
+
+    @property
+    def is_graph(self) -> bool:
+        return self.kind == "graph"
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticBuffer:
+    """A static placeholder buffer that graphs read: a lifted input or a bridge from a break segment.
+
+    ``shape`` is the size at the largest bucket; ``token_dims`` are the dims that scale with tokens.
+    """
+
+    name: str
+    role: str  # "input" or "bridge"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    token_dims: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * self.dtype.itemsize

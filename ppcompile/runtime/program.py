@@ -1,0 +1,142 @@
+"""The stage as a flat program: value slots and segment steps, built once from the split graph.
+
+Each value of the split graph (an input, a segment output) gets a slot. A step names the segment's
+callable, where each argument comes from (a slot, or a size expression), and which slots its outputs
+fill. The runtime walks the steps with two slot tables: *static* (bucket-sized tensors that graphs
+read and write) and *live* (tensors of the live token count that break segments and callers see).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ppcompile.passes.context import PassContext
+from ppcompile.records import Segment, StaticBuffer
+from ppcompile.symbolic import SizeFn, example_value
+
+__all__ = ["Program", "Ref", "Step", "build_program"]
+
+SegmentFn = Callable[..., Sequence[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """Where an argument comes from: a slot, or a size evaluated for the bucket or live count."""
+
+    slot: int = -1
+    size: SizeFn | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    index: int
+    segment: Segment
+    fn: SegmentFn
+    args: tuple[Ref, ...]
+    out_slots: tuple[int, ...]  # -1 for an output nobody reads as a tensor
+    live_views: tuple[int, ...] = ()  # graph outputs that breaks or callers read at live size
+    bridges: tuple[int, ...] = ()  # break outputs that graphs read through a static bridge
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    num_slots: int
+    num_inputs: int
+    steps: tuple[Step, ...]
+    outputs: tuple[Ref | Any, ...]  # a Ref, or a constant returned as is
+    token_dims: dict[int, tuple[tuple[int, SizeFn], ...]]  # slot -> (dim, live size) to narrow
+    bridge_buffers: dict[int, StaticBuffer]
+    input_buffers: dict[int, StaticBuffer]
+
+
+def _unwrap_single(fn: Callable[..., Any]) -> SegmentFn:
+    def call(*args: Any) -> tuple[Any, ...]:
+        return (fn(*args),)
+
+    return call
+
+
+def build_program(
+    split: torch.fx.GraphModule, ctx: PassContext, compiled: dict[str, Callable[..., Any]]
+) -> Program:
+    """Flattens ``split`` (after the passes) into a ``Program``; ``compiled`` maps submodule names to
+    their compiled callables."""
+    slots: dict[torch.fx.Node, int] = {}
+    placeholders = list(split.graph.find_nodes(op="placeholder"))
+    for i, p in enumerate(placeholders):
+        slots[p] = i
+    token_dims: dict[int, tuple[tuple[int, SizeFn], ...]] = {}
+
+    def slot_of(node: torch.fx.Node) -> int:
+        if node not in slots:
+            slots[node] = len(slots)
+        dims = node.meta.get("pp_token_dims")
+        if dims:
+            token_dims[slots[node]] = tuple((d, SizeFn(e)) for d, e in dims)
+        return slots[node]
+
+    def ref(node: Any) -> Ref:
+        expr = node.meta.get("pp_size_expr") if isinstance(node, torch.fx.Node) else None
+        if expr is not None:
+            return Ref(size=SizeFn(expr))
+        return Ref(slot=slot_of(node))
+
+    for p in placeholders:
+        slot_of(p)
+    steps: list[Step] = []
+    for node in split.graph.find_nodes(op="call_module"):
+        segment: Segment = node.meta["pp_segment"]
+        (out,) = getattr(split, str(node.target)).graph.find_nodes(op="output")
+        multi = isinstance(out.args[0], (tuple, list))
+        if multi:
+            out_slots = [-1] * len(out.args[0])
+            for user in node.users:
+                if user.op == "call_function" and user.target is operator.getitem:
+                    out_slots[user.args[1]] = slot_of(user)
+        else:
+            out_slots = [slot_of(node)]
+        fn = compiled[str(node.target)]
+        steps.append(Step(
+            index=len(steps),
+            segment=segment,
+            fn=fn if multi else _unwrap_single(fn),
+            args=tuple(ref(a) for a in node.args),
+            out_slots=tuple(out_slots),
+        ))
+
+    (output,) = split.graph.find_nodes(op="output")
+    results = output.args[0]
+    outputs = tuple(ref(r) if isinstance(r, torch.fx.Node) else r for r in results)
+
+    node_of = {s: n for n, s in slots.items()}
+    graph_reads = {a.slot for st in steps if st.segment.is_graph for a in st.args if a.slot >= 0}
+    live_reads = {a.slot for st in steps if not st.segment.is_graph for a in st.args if a.slot >= 0}
+    live_reads |= {r.slot for r in outputs if isinstance(r, Ref) and r.slot >= 0}
+    finished = []
+    for st in steps:
+        if st.segment.is_graph:
+            live = tuple(s for s in st.out_slots if s in live_reads and isinstance(
+                example_value(node_of[s]), torch.Tensor))
+            finished.append(dataclasses.replace(st, live_views=live))
+        else:
+            bridges = tuple(s for s in st.out_slots if s in graph_reads)
+            finished.append(dataclasses.replace(st, bridges=bridges))
+    bridge_buffers = {slots[n]: n.meta["pp_static_buffer"] for n in slots
+                      if n.op != "placeholder" and "pp_static_buffer" in n.meta}
+    input_buffers = {
+        slots[n]: n.meta["pp_static_buffer"] for n in placeholders if "pp_static_buffer" in n.meta
+    }
+    return Program(
+        num_slots=len(slots),
+        num_inputs=len(placeholders),
+        steps=tuple(finished),
+        outputs=outputs,
+        token_dims=token_dims,
+        bridge_buffers=bridge_buffers,
+        input_buffers=input_buffers,
+    )

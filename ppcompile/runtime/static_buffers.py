@@ -1,0 +1,48 @@
+"""Static buffers: allocation, bucket views, and the copy-in that fills them from live tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import sympy
+import torch
+
+from ppcompile.records import StaticBuffer
+from ppcompile.symbolic import SizeFn
+
+__all__ = ["allocate", "copy_in", "narrow_to"]
+
+TokenDims = tuple[tuple[int, SizeFn], ...]
+Env = Mapping[sympy.Symbol, int]
+
+
+def allocate(spec: StaticBuffer) -> torch.Tensor:
+    """A zero-filled buffer of ``spec``'s largest-bucket shape (an ordinary tensor, even when called
+    under ``inference_mode``, so later calls in or out of inference mode can write it)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+
+
+def narrow_to(t: torch.Tensor, dims: TokenDims, env: Env) -> torch.Tensor:
+    """``t`` narrowed along each token dim to its size for ``env`` (a view; no copy)."""
+    for d, size in dims:
+        length = size(env)
+        if length != t.shape[d]:
+            t = t.narrow(d, 0, length)
+    return t
+
+
+def copy_in(buf: torch.Tensor, src: torch.Tensor, dims: TokenDims, env_live: Env, env_bucket: Env) -> None:
+    """Copies live ``src`` into ``buf``'s first rows and zeroes the padding rows up to the bucket."""
+    if not dims:
+        buf.copy_(src)
+        return
+    if len(dims) == 1:
+        (d, size), = dims
+        n, b = size(env_live), size(env_bucket)
+        buf.narrow(d, 0, n).copy_(src)
+        if b > n:
+            buf.narrow(d, n, b - n).zero_()
+        return
+    narrow_to(buf, dims, env_bucket).zero_()
+    narrow_to(buf, dims, env_live).copy_(src)
