@@ -3,6 +3,9 @@ pipeline-parallel stage, breaking at attention and padding live batches to captu
 
 from __future__ import annotations
 
+import logging
+
+from ppcompile import envs
 from ppcompile.backends.pp_breakable import pp_breakable, stage_runtimes
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
@@ -22,6 +25,12 @@ __version__ = "0.1.0"
 BACKEND_NAME = "pp_breakable"
 
 
+def _configure_logging() -> None:
+    level = envs.log_level()
+    if level:
+        logging.getLogger("ppcompile").setLevel(level.upper())
+
+
 def _register_backend() -> None:
     """Registers the backend by name unless the entry point mechanism will (or did).
 
@@ -35,4 +44,5 @@ def _register_backend() -> None:
     registry.register_backend(pp_breakable, name=BACKEND_NAME)
 
 
+_configure_logging()
 _register_backend()

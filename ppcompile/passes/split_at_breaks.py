@@ -2,9 +2,9 @@
 
 Break nodes run eagerly on live-size tensors between graph segments: attention ops (the registered
 attention ops and ``scaled_dot_product_attention``), every op in the ``split_ops`` option (matched as
-``OpOverload`` or packet), and nodes whose shapes depend on a dynamic symbol other than the token count
-(they cannot be captured per token bucket). Each attention or split op gets a partition of its own; a
-run of consecutive non-token-shape nodes shares one. ``getitem`` nodes that unpack a break op's tuple
+``OpOverload`` or packet), and nodes whose shapes or size arguments depend on a dynamic symbol other
+than the token count (a graph captured per token bucket would replay a stale value). Each attention or
+split op gets a partition of its own; a run of consecutive non-token-shape nodes shares one. ``getitem`` nodes that unpack a break op's tuple
 stay with it. The split keeps the original node order (in-place ops stay where they were).
 
 Before::
@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import operator
 
+import sympy
 import torch
 from torch.fx.passes.split_module import split_module
 
@@ -57,12 +58,15 @@ def _mentions_other_symbols(node: torch.fx.Node, ctx: PassContext) -> bool:
     if not ctx.other_symbols:
         return False
     value = example_value(node)
+    exprs: list[sympy.Expr] = []
     if isinstance(value, torch.Tensor):
-        exprs = shape_exprs(value)
+        exprs.extend(shape_exprs(value))
     elif isinstance(value, torch.SymInt):
-        exprs = (size_expr(value),)
-    else:
-        return False
+        exprs.append(size_expr(value))
+    # A size argument baked into a graph at capture would be replayed with a stale value.
+    for arg in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+        if isinstance(arg, torch.fx.Node) and "pp_size_expr" in arg.meta:
+            exprs.append(arg.meta["pp_size_expr"])
     return any(e.free_symbols & ctx.other_symbols for e in exprs)
 
 
@@ -80,7 +84,7 @@ def _break_reason(
         others = ", ".join(sorted(str(s) for s in ctx.other_symbols))
         return BreakReason(
             BreakKind.NON_TOKEN_SHAPE, _op_name(node),
-            f"shape depends on {others}, not only on the token count", trace,
+            f"depends on {others}, not only on the token count", trace,
         )
     return None
 

@@ -134,9 +134,10 @@ class StageRuntime:
         b = self.plan.bucket(n)
         if b is None:
             return self.run_eager(args)
-        if torch.is_grad_enabled():
-            self._warn_once("grad", "%s: autograd is enabled, so forwards run eagerly; run inference "
-                            "under torch.inference_mode() or torch.no_grad() to use graphs", self.name)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            self._warn_once("grad", "%s: inputs require grad with autograd enabled, so forwards run "
+                            "eagerly; run inference under torch.inference_mode() or torch.no_grad() to "
+                            "use graphs", self.name)
             return self.run_eager(args)
         state = self._state_for(args)
         if state.failed is not None:
