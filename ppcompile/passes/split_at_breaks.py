@@ -4,8 +4,9 @@ Break nodes run eagerly on live-size tensors between graph segments: attention o
 attention ops and ``scaled_dot_product_attention``), every op in the ``split_ops`` option (matched as
 ``OpOverload`` or packet), and nodes whose shapes or size arguments depend on a dynamic symbol other
 than the token count (a graph captured per token bucket would replay a stale value). Each attention or
-split op gets a partition of its own; a run of consecutive non-token-shape nodes shares one. ``getitem`` nodes that unpack a break op's tuple
-stay with it. The split keeps the original node order (in-place ops stay where they were).
+split op gets a partition of its own; a run of consecutive non-token-shape nodes shares one.
+``getitem`` nodes that unpack a break op's tuple stay with it. The split keeps the original node order
+(in-place ops stay where they were).
 
 Before::
 
