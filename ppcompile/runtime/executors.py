@@ -68,6 +68,10 @@ class GraphExecutor(abc.ABC):
     def num_captured(self) -> int:
         return len(self._captured)
 
+    def release(self) -> None:
+        """Drops every captured graph and what it holds (after a failed capture: graphs are off)."""
+        self._captured.clear()
+
     def _check_addresses(self, key: Key, args: Sequence[Any]) -> None:
         captured = self._captured[key].args
         for i, (got, want) in enumerate(zip(args, captured)):

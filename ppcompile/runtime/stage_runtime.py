@@ -209,17 +209,17 @@ class StageRuntime:
         key = tuple(map(id, [args[i] for i in self._state_slots]))
         state = self._states.get(key)
         if state is None:
-            state = self._capture(args)
-            self._states[key] = state
+            state = self._capture(args, key)
         return state
 
-    def _capture(self, args: tuple[Any, ...]) -> _InstanceState:
+    def _capture(self, args: tuple[Any, ...], key: tuple[int, ...]) -> _InstanceState:
         """Allocates static buffers and captures every (graph segment, bucket), largest bucket first."""
         program = self.program
         state = _InstanceState(
             executor=make_executor(self.graph_mode, self.config.debug),
             module_state=tuple(args[i] for i in self._state_slots),
         )
+        self._states[key] = state  # kept even when capture fails: later calls see state.failed
         state.input_buffers = {s: allocate(spec) for s, spec in program.input_buffers.items()}
         state.bridge_buffers = {s: allocate(spec) for s, spec in program.bridge_buffers.items()}
         env = self._env(args, self.num_tokens(args))
@@ -251,6 +251,7 @@ class StageRuntime:
         except BaseException as e:
             state.failed = f"{type(e).__name__}: {e}"
             state.tables.clear()
+            state.executor.release()
             raise
         log.info("%s: captured %d graphs (%d segments x %d buckets, %s) in %.2f s", self.name,
                  len(graph_steps) * len(self.plan.sizes), len(graph_steps), len(self.plan.sizes),

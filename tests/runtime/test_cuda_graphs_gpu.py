@@ -1,0 +1,137 @@
+"""Real CUDA graphs: a small stage compiled on a CUDA device, graph path against eager across token counts.
+
+Skipped without CUDA (the CPU suite covers the same runtime with the emulated executor and a mocked CUDA
+graph API, ``test_cuda_graph_mock.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ppcompile
+from ppcompile import counters
+from ppcompile.runtime.executors import CudaGraphExecutor
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+H = 64
+SIZES = [4, 8, 16, 32]
+seen_rows: list[int] = []
+
+
+@torch.library.custom_op("pptest_rt::gpu_mixer", mutates_args=())
+def gpu_mixer(x: torch.Tensor) -> torch.Tensor:
+    """Causal mean plus the mean over all rows (depends on the live row count, like attention)."""
+    seen_rows.append(x.shape[0])
+    count = torch.arange(1, x.shape[0] + 1, dtype=x.dtype, device=x.device)[:, None]
+    return x.cumsum(0) / count + x.mean(0, keepdim=True)
+
+
+@gpu_mixer.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(H, 2 * H)
+        self.down = nn.Linear(2 * H, H)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.up(x + residual))
+        h = torch.ops.pptest_rt.gpu_mixer(h)
+        out = self.down(h)
+        return out, out + residual
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    torch._dynamo.reset()
+    counters.reset()
+    seen_rows.clear()
+    with torch.no_grad():
+        yield
+    torch._dynamo.reset()
+
+
+def _stage() -> Stage:
+    torch.manual_seed(0)
+    return Stage().cuda()
+
+
+def _compile(m: nn.Module, **options: Any) -> Any:
+    opts = {"capture_sizes": SIZES, "split_ops": ["pptest_rt::gpu_mixer"], **options}
+    return torch.compile(m, backend="pp_breakable", dynamic=True, fullgraph=True, options=opts)
+
+
+def _inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(n, H, device="cuda", generator=g), torch.randn(n, H, device="cuda", generator=g))
+
+
+def _runtime() -> Any:
+    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
+
+
+@pytest.mark.parametrize("mode", ["auto", "cuda"])
+def test_cuda_graphs_match_eager_across_token_counts(mode: str) -> None:
+    m = _stage()
+    c = _compile(m, graph_mode=mode)
+    counts = [5, 1, 4, 8, 9, 16, 17, 32, 33, 40, 3, 12, 5]
+    for i, n in enumerate(counts):
+        args = _inputs(n, seed=i)
+        seen_rows.clear()
+        got = c(*args)
+        assert seen_rows == [n]
+        want = m(*args)
+        for g, w in zip(got, want):
+            assert g.is_cuda and g.shape == w.shape == (n, H)
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    rt = _runtime()
+    assert rt.graph_mode == "cuda"
+    (state,) = rt._states.values()
+    assert isinstance(state.executor, CudaGraphExecutor)
+    assert state.executor.num_captured() == 2 * len(SIZES)
+    assert next(iter(state.executor._captured))[1] == max(SIZES)  # largest bucket captured first
+    graphed = [n for n in counts if rt.plan.bucket(n) is not None and n != 1]
+    assert counters.replays == len(graphed)
+    assert counters.captures == 2 * len(SIZES)
+
+
+def test_cuda_graph_outputs_valid_until_next_call_unless_owned() -> None:
+    m = _stage()
+    c = _compile(m)
+    first, _ = c(*_inputs(5, seed=1))
+    kept = first.clone()
+    second, _ = c(*_inputs(6, seed=2))  # same bucket: overwrites the static output
+    torch.cuda.synchronize()
+    torch.testing.assert_close(first, second[:5])
+    assert not torch.allclose(first, kept)
+
+    torch._dynamo.reset()
+    c = _compile(m, owned_outputs=True)
+    first, _ = c(*_inputs(5, seed=1))
+    kept = first.clone()
+    c(*_inputs(6, seed=2))
+    torch.cuda.synchronize()
+    assert torch.equal(first, kept)
+
+
+def test_cuda_graphs_under_inference_mode() -> None:
+    m = _stage()
+    c = _compile(m)
+    with torch.inference_mode():
+        for i, n in enumerate([7, 16, 3, 30]):
+            args = _inputs(n, seed=i)
+            for g, w in zip(c(*args), m(*args)):
+                torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert counters.replays == 4 and counters.eager_runs == 0

@@ -1,0 +1,111 @@
+"""Tests for ``ppcompile.runtime.static_buffers``: allocation, bucket views and copy-in."""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from ppcompile.records import StaticBuffer
+from ppcompile.runtime.static_buffers import allocate, copy_in, narrow_to
+from ppcompile.symbolic import SizeFn
+
+S = sympy.Symbol("s0", integer=True, positive=True)
+TOKENS = SizeFn(S)
+
+
+def _spec(shape: tuple[int, ...], token_dims: tuple[int, ...] = (0,)) -> StaticBuffer:
+    return StaticBuffer("buf", "input", shape, torch.float32, torch.device("cpu"), token_dims)
+
+
+def _env(n: int) -> dict[sympy.Symbol, int]:
+    return {S: n}
+
+
+def test_allocate_zero_filled_with_spec_shape_dtype() -> None:
+    buf = allocate(StaticBuffer("b", "bridge", (16, 3), torch.float64, torch.device("cpu"), (0,)))
+    assert buf.shape == (16, 3) and buf.dtype == torch.float64 and buf.device.type == "cpu"
+    assert not buf.any()
+
+
+def test_allocate_under_inference_mode_gives_a_normal_tensor() -> None:
+    with torch.inference_mode():
+        buf = allocate(_spec((8, 4)))
+    assert not buf.is_inference()
+    # usable outside inference mode: in-place writes and use in autograd-recording ops
+    buf[:2].copy_(torch.ones(2, 4))
+    w = torch.ones(4, 4, requires_grad=True)
+    (buf @ w).sum().backward()
+    assert w.grad is not None and w.grad.sum().item() == 2 * 4 * 4
+    # and inside inference mode as well
+    with torch.inference_mode():
+        buf[2:4].fill_(3.0)
+    assert buf[2:4].eq(3.0).all()
+
+
+def test_copy_in_one_token_dim_zeroes_padding_only_up_to_bucket() -> None:
+    buf = torch.full((16, 4), 7.0)
+    src = torch.randn(5, 4)
+    copy_in(buf, src, ((0, TOKENS),), _env(5), _env(8))
+    torch.testing.assert_close(buf[:5], src)
+    assert not buf[5:8].any()
+    assert buf[8:].eq(7.0).all()  # beyond the bucket: untouched (no graph of this bucket reads it)
+
+
+def test_copy_in_one_token_dim_not_leading() -> None:
+    buf = torch.full((2, 16), 7.0)
+    src = torch.randn(2, 3)
+    copy_in(buf, src, ((1, TOKENS),), _env(3), _env(4))
+    torch.testing.assert_close(buf[:, :3], src)
+    assert not buf[:, 3:4].any()
+    assert buf[:, 4:].eq(7.0).all()
+
+
+def test_copy_in_exact_bucket_has_no_padding() -> None:
+    buf = torch.full((8, 2), 7.0)
+    src = torch.randn(8, 2)
+    copy_in(buf, src, ((0, TOKENS),), _env(8), _env(8))
+    torch.testing.assert_close(buf, src)
+
+
+def test_copy_in_two_token_dims() -> None:
+    buf = torch.full((16, 16), 7.0)
+    src = torch.randn(3, 3)
+    dims = ((0, TOKENS), (1, TOKENS))
+    copy_in(buf, src, dims, _env(3), _env(4))
+    torch.testing.assert_close(buf[:3, :3], src)
+    block = buf[:4, :4].clone()
+    block[:3, :3] = 0
+    assert not block.any()  # the padded frame of the bucket block is zero
+    assert buf[4:].eq(7.0).all() and buf[:, 4:].eq(7.0).all()
+
+
+def test_copy_in_two_token_dims_with_expressions() -> None:
+    buf = torch.full((16, 8), 7.0)
+    src = torch.randn(5, 2)
+    dims = ((0, TOKENS), (1, SizeFn(S // 2)))
+    copy_in(buf, src, dims, _env(5), _env(8))
+    torch.testing.assert_close(buf[:5, :2], src)
+    frame = buf[:8, :4].clone()
+    frame[:5, :2] = 0
+    assert not frame.any()
+
+
+def test_copy_in_without_token_dims_copies_everything() -> None:
+    buf = torch.zeros(3, 4)
+    src = torch.randn(3, 4)
+    copy_in(buf, src, (), _env(2), _env(4))
+    torch.testing.assert_close(buf, src)
+
+
+def test_narrow_to_returns_views() -> None:
+    buf = torch.arange(64.0).view(16, 4)
+    v = narrow_to(buf, ((0, TOKENS),), _env(5))
+    assert v.shape == (5, 4) and v.data_ptr() == buf.data_ptr()
+    v.fill_(-1.0)
+    assert buf[:5].eq(-1.0).all() and buf[5:].ne(-1.0).all()
+
+    assert narrow_to(buf, ((0, TOKENS),), _env(16)) is buf  # full size: the buffer itself
+    assert narrow_to(buf, (), _env(3)) is buf
+
+    two = narrow_to(torch.zeros(16, 16), ((0, TOKENS), (1, SizeFn(S // 2))), _env(6))
+    assert two.shape == (6, 3)
