@@ -109,8 +109,16 @@ class PPBreakableConfig:
         """A stable hash of every field that changes what is compiled or captured."""
         fields = dataclasses.asdict(self)
         fields.pop("dump_dir")
-        fields["split_ops"] = [str(op) for op in self.split_ops]
+        fields["split_ops"] = [_op_key(op) for op in self.split_ops]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _op_key(op: Any) -> str:
+    """A split op's name that is the same in every process (``str`` of a function holds its address)."""
+    if isinstance(op, str):
+        return op
+    module, name = getattr(op, "__module__", None), getattr(op, "__name__", None)
+    return f"{module}.{name}" if module and name else str(op)
 
 
 def _bad(key: str, value: Any, valid: str) -> None:

@@ -52,9 +52,9 @@ class SizeFn:
         if len(self._symbols) == 1:
             (s,) = self._symbols
             poly = sympy.Poly(expr, s) if expr.is_polynomial(s) else None
-            if poly is not None and poly.degree() == 1:
+            if poly is not None and poly.degree() == 1 and all(x.is_integer for x in poly.all_coeffs()):
                 a, c = (int(x) for x in poly.all_coeffs())
-                self._linear = (s, a, c)
+                self._linear = (s, a, c)  # s/2 has a rational coefficient: it goes to the interpreter
         self._cache: dict[tuple[int, ...], int] = {}
 
     @property

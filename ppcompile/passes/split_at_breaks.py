@@ -68,6 +68,8 @@ def _mentions_other_symbols(node: torch.fx.Node, ctx: PassContext) -> bool:
     for arg in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
         if isinstance(arg, torch.fx.Node) and "pp_size_expr" in arg.meta:
             exprs.append(arg.meta["pp_size_expr"])
+        elif isinstance(arg, torch.fx.Node) and isinstance(example_value(arg), torch.Tensor):
+            exprs.extend(shape_exprs(example_value(arg)))  # a graph cannot read it at a fixed size
     return any(e.free_symbols & ctx.other_symbols for e in exprs)
 
 
@@ -81,7 +83,7 @@ def _break_reason(
         return BreakReason(BreakKind.ATTENTION, _op_name(node), detail, trace)
     if user.matches(node):
         return BreakReason(BreakKind.USER_SPLIT_OP, _op_name(node), "listed in split_ops", trace)
-    if node.op == "call_function" and _mentions_other_symbols(node, ctx):
+    if node.op in ("call_function", "call_method") and _mentions_other_symbols(node, ctx):
         others = ", ".join(sorted(str(s) for s in ctx.other_symbols))
         return BreakReason(
             BreakKind.NON_TOKEN_SHAPE, _op_name(node),

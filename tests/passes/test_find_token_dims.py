@@ -1,0 +1,117 @@
+"""Tests of ``find_token_dims``: the token symbol, input kinds and token dims on every node."""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from fx_helpers import dynamo_graph, make_ctx
+from torch.utils._sympy.functions import FloorDiv
+
+from ppcompile.passes.find_token_dims import find_token_dims
+from ppcompile.records import InputKind
+from ppcompile.symbolic import SizeFn, example_value
+
+
+class _Stage(torch.nn.Module):
+    """A linear (parameters), a module buffer, a live input ``x [s0, 8]`` and a proxy dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("shift", torch.ones(8))
+
+    def forward(self, x: torch.Tensor, proxies: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.lin(x) + self.shift + proxies["hidden_states"]
+
+
+def _by_name(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    return {n.name: n for n in gm.graph.nodes}
+
+
+def _run(fn, *args, dynamic: bool = True):  # type: ignore[no-untyped-def]
+    gm, ex = dynamo_graph(fn, *args, dynamic=dynamic)
+    ctx = make_ctx(gm, ex)
+    result = find_token_dims(gm, ctx)
+    assert result.graph_module is gm and not result.modified
+    return gm, ctx
+
+
+def test_token_symbol_of_a_1d_input() -> None:
+    gm, ctx = _run(lambda ids: ids * 2, torch.arange(6))
+    (x,) = [p for p in gm.graph.find_nodes(op="placeholder") if isinstance(example_value(p), torch.Tensor)]
+    assert ctx.token_symbol is not None and not ctx.is_static
+    assert x.meta["pp_token_dims"] == ((0, ctx.token_symbol),)
+    assert ctx.token_input == (list(gm.graph.find_nodes(op="placeholder")).index(x), 0)
+
+
+def test_kinds_of_parameters_buffers_live_tensors_proxies_and_symints() -> None:
+    gm, ctx = _run(_Stage(), torch.randn(6, 8), {"hidden_states": torch.randn(6, 8)})
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    kinds = dict(zip((p.name for p in placeholders), ctx.input_kinds))
+    assert len(ctx.input_kinds) == len(placeholders)
+    s0 = ctx.token_symbol
+    assert isinstance(s0, sympy.Symbol)
+    for name, kind in kinds.items():
+        if "parameters" in name or "buffers" in name:
+            assert kind is InputKind.MODULE_STATE, name
+        elif name in ("l_x_", "l_proxies_hidden_states_"):
+            assert kind is InputKind.TENSOR, name
+        else:
+            assert kind is InputKind.SYMINT, name
+    assert kinds["l_self_buffers_shift_"] is InputKind.MODULE_STATE  # a buffer, not only parameters
+    assert list(kinds.values()).count(InputKind.SYMINT) == 1
+    (sym_index,) = ctx.symint_inputs
+    assert ctx.symint_inputs[sym_index] == s0
+    nodes = _by_name(gm)
+    assert nodes["l_x_"].meta["pp_token_dims"] == ((0, s0),)
+    assert nodes["l_proxies_hidden_states_"].meta["pp_token_dims"] == ((0, s0),)
+    assert nodes["l_self_modules_lin_parameters_weight_"].meta["pp_token_dims"] == ()
+    assert nodes["l_self_buffers_shift_"].meta["pp_token_dims"] == ()
+    assert placeholders[ctx.token_input[0]].name == "l_x_"  # type: ignore[index]
+    # Intermediates are annotated too, and the sizes are the token symbol itself.
+    linear = next(n for n in gm.graph.nodes if n.target is torch._C._nn.linear)
+    assert linear.meta["pp_token_dims"] == ((0, s0),)
+    assert ctx.other_symbols == frozenset()
+
+
+def test_floordiv_output_gets_a_floordiv_token_expr() -> None:
+    lin = torch.nn.Linear(8, 8)
+
+    def half(x: torch.Tensor) -> torch.Tensor:
+        return lin(x)[: x.shape[0] // 2] * 2
+
+    gm, ctx = _run(half, torch.randn(7, 8))
+    s0 = ctx.token_symbol
+    assert s0 is not None
+    (out,) = gm.graph.find_nodes(op="output")
+    (result,) = out.args[0]
+    ((dim, expr),) = result.meta["pp_token_dims"]
+    assert dim == 0
+    assert expr == FloorDiv(s0, 2)
+    assert SizeFn(expr)({s0: 7}) == 3
+    assert SizeFn(expr)({s0: 8192}) == 4096
+    floordiv = next(n for n in gm.graph.nodes if "pp_size_expr" in n.meta and n.op != "placeholder")
+    assert floordiv.meta["pp_size_expr"] == expr
+
+
+def test_static_graph_has_no_token_symbol() -> None:
+    gm, ctx = _run(_Stage(), torch.randn(6, 8), {"hidden_states": torch.randn(6, 8)}, dynamic=False)
+    assert ctx.token_symbol is None and ctx.token_input is None and ctx.is_static
+    assert InputKind.SYMINT not in ctx.input_kinds
+    assert all("pp_token_dims" not in n.meta for n in gm.graph.nodes)
+
+
+def test_most_voted_leading_symbol_wins() -> None:
+    """Two live inputs share the token count; a third has its own leading size and loses the vote."""
+    lin = torch.nn.Linear(8, 8)
+
+    def f(ids: torch.Tensor, pos: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return lin(other), ids + pos
+
+    gm, ctx = _run(f, torch.arange(6), torch.arange(6), torch.randn(5, 8))
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    ids = next(p for p in placeholders if p.name == "l_ids_")
+    other = next(p for p in placeholders if p.name == "l_other_")
+    assert ids.meta["pp_token_dims"] == ((0, ctx.token_symbol),)
+    assert other.meta["pp_token_dims"] == ()
+    assert len(ctx.other_symbols) == 1

@@ -1,0 +1,223 @@
+"""Tests of ``split_at_breaks``: which nodes become break segments, the segment records, and numerics."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from attention_modules import Attn, attention_context
+from fx_helpers import dynamo_graph, make_ctx, run_until
+
+from ppcompile.passes.split_at_breaks import split_at_breaks
+from ppcompile.records import BreakKind, Segment
+
+
+def _split(fn: Any, *args: Any, **options: Any):  # type: ignore[no-untyped-def]
+    gm, ex = dynamo_graph(fn, *args)
+    ctx = make_ctx(gm, ex, **options)
+    split = run_until(gm, ctx, split_at_breaks)
+    return split, ex, ctx
+
+
+def _kinds(segments: list[Segment]) -> str:
+    return "".join("g" if s.is_graph else "b" for s in segments)
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    got_flat = torch.utils._pytree.tree_leaves(got)
+    want_flat = torch.utils._pytree.tree_leaves(want)
+    assert len(got_flat) == len(want_flat)
+    for g, w in zip(got_flat, want_flat):
+        torch.testing.assert_close(g, w)
+
+
+def _check_records(split: torch.fx.GraphModule, segments: list[Segment]) -> None:
+    calls = list(split.graph.find_nodes(op="call_module"))
+    assert [c.meta["pp_segment"] for c in calls] == segments
+    assert [s.name for s in segments] == [str(c.target) for c in calls]
+    for s in segments:
+        sub = getattr(split, s.name)
+        assert s.num_nodes == sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output"))
+        assert (s.reason is None) == s.is_graph
+
+
+def test_two_attention_calls_give_five_segments() -> None:
+    m = Attn((4, 5))
+    x = torch.randn(6, 8)
+    with attention_context(6, (4, 5)):
+        split, ex, ctx = _split(m, x)
+    assert _kinds(ctx.segments) == "gbgbg"
+    _check_records(split, ctx.segments)
+    breaks = [s for s in ctx.segments if not s.is_graph]
+    assert [s.layer_ids for s in breaks] == [(4,), (5,)]
+    assert all(s.layer_ids == () for s in ctx.segments if s.is_graph)
+    for s, layer in zip(breaks, (4, 5)):
+        assert s.reason is not None and s.reason.kind is BreakKind.ATTENTION
+        assert s.reason.op == "ppcompile.attention"
+        assert s.reason.detail == f"global layer {layer}"
+        assert s.num_nodes == 1
+        (node,) = [n for n in getattr(split, s.name).graph.nodes if n.op == "call_function"]
+        assert node.target is torch.ops.ppcompile.attention
+    graph_targets = [n.target for s in ctx.segments if s.is_graph
+                     for n in getattr(split, s.name).graph.nodes if n.op == "call_function"]
+    assert torch.ops.ppcompile.attention not in graph_targets
+    with attention_context(6, (4, 5)), torch.no_grad():
+        _assert_same(split(*ex), (m(x),))
+
+
+def test_back_to_back_attention_calls_get_a_partition_each() -> None:
+    def f(q: torch.Tensor) -> torch.Tensor:
+        a = torch.ops.ppcompile.attention(q, q, q, 0)
+        return torch.ops.ppcompile.attention(a, a, a, 1)
+
+    q = torch.randn(5, 2, 4)
+    with attention_context(5, (0, 1)):
+        split, ex, ctx = _split(f, q)
+        assert _kinds(ctx.segments) == "bb"
+        assert [s.layer_ids for s in ctx.segments] == [(0,), (1,)]
+        _check_records(split, ctx.segments)
+        with torch.no_grad():
+            _assert_same(split(*ex), (f(q),))
+
+
+def test_scaled_dot_product_attention_is_a_break() -> None:
+    lin = torch.nn.Linear(8, 8)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        q = lin(x).view(1, -1, 2, 4).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return out.transpose(1, 2).reshape(-1, 8) * 2
+
+    x = torch.randn(6, 8)
+    split, ex, ctx = _split(f, x)
+    assert _kinds(ctx.segments) == "gbg"
+    _check_records(split, ctx.segments)
+    reason = ctx.segments[1].reason
+    assert reason is not None and reason.kind is BreakKind.ATTENTION
+    assert "scaled_dot_product_attention" in reason.op
+    assert ctx.segments[1].layer_ids == ()
+    with torch.no_grad():
+        _assert_same(split(*ex), (f(x),))
+
+
+class _Mix(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.ops.pptest.mix(self.lin(x)))
+
+
+@pytest.mark.parametrize(
+    "op",
+    ["pptest::mix", torch.ops.pptest.mix, torch.ops.pptest.mix.default],
+    ids=["str", "packet", "overload"],
+)
+def test_user_split_op_as_string_packet_or_overload(op: Any) -> None:
+    m = _Mix()
+    x = torch.randn(6, 8)
+    split, ex, ctx = _split(m, x, split_ops=[op])
+    assert _kinds(ctx.segments) == "gbg"
+    _check_records(split, ctx.segments)
+    reason = ctx.segments[1].reason
+    assert reason is not None and reason.kind is BreakKind.USER_SPLIT_OP
+    assert reason.op == "pptest.mix"
+    with torch.no_grad():
+        _assert_same(split(*ex), (m(x),))
+
+
+def test_user_op_is_not_a_break_unless_listed() -> None:
+    _, _, ctx = _split(_Mix(), torch.randn(6, 8))
+    assert _kinds(ctx.segments) == "g"
+    assert ctx.segments[0].num_nodes == 3
+
+
+def test_unknown_split_op_raises_naming_it() -> None:
+    gm, ex = dynamo_graph(_Mix(), torch.randn(6, 8))
+    ctx = make_ctx(gm, ex, split_ops=["pptest::no_such_op"])
+    with pytest.raises(ValueError, match="pptest::no_such_op"):
+        run_until(gm, ctx, split_at_breaks)
+
+
+class _TwoCounts(torch.nn.Module):
+    """``x [s0, 8]`` and ``y [s1, 8]``: ``cat`` and what follows it have size ``s0 + s1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        both = torch.cat([h, y]) * 3
+        return h * 2, both
+
+
+def _segment_of(split: torch.fx.GraphModule, segments: list[Segment], target: Any) -> Segment:
+    for s in segments:
+        if any(n.target == target for n in getattr(split, s.name).graph.nodes):
+            return s
+    raise AssertionError(f"no segment holds {target}")
+
+
+def test_non_token_dynamic_shape_is_a_break() -> None:
+    m = _TwoCounts()
+    x, y = torch.randn(6, 8), torch.randn(5, 8)
+    split, ex, ctx = _split(m, x, y)
+    assert len(ctx.other_symbols) == 1
+    cat = _segment_of(split, ctx.segments, torch.cat)
+    mul = _segment_of(split, ctx.segments, operator.mul)  # the first mul is ``* 3``
+    assert cat is mul  # a run of non-token-shape nodes shares one break
+    assert not cat.is_graph and cat.reason is not None
+    assert cat.reason.kind is BreakKind.NON_TOKEN_SHAPE
+    assert str(next(iter(ctx.other_symbols))) in cat.reason.detail
+    assert ctx.segments[0].is_graph  # the linear on x alone
+    _check_records(split, ctx.segments)
+    with torch.no_grad():
+        _assert_same(split(*ex), m(x, y))
+
+
+def test_non_token_shape_through_a_method_call_is_a_break() -> None:
+    """``Tensor.sin()`` is a ``call_method`` node: its ``s0 + s1`` shape must break like a function's."""
+    lin = torch.nn.Linear(8, 8)
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = lin(x)
+        return h * 2, torch.cat([h, y]).sin()
+
+    x, y = torch.randn(6, 8), torch.randn(5, 8)
+    split, ex, ctx = _split(f, x, y)
+    sin = _segment_of(split, ctx.segments, "sin")
+    assert not sin.is_graph and sin.reason is not None and sin.reason.kind is BreakKind.NON_TOKEN_SHAPE
+    with torch.no_grad():
+        _assert_same(split(*ex), f(x, y))
+
+
+def test_reading_a_non_token_shape_is_a_break() -> None:
+    """``sum(0)`` of a ``[s1, 8]`` tensor has a static shape, but a graph cannot read its input."""
+    lin = torch.nn.Linear(8, 8)
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lin(x) + lin(y).sum(0)
+
+    x, y = torch.randn(6, 8), torch.randn(5, 8)
+    split, ex, ctx = _split(f, x, y)
+    reduce = _segment_of(split, ctx.segments, "sum")
+    assert not reduce.is_graph and reduce.reason is not None
+    assert reduce.reason.kind is BreakKind.NON_TOKEN_SHAPE
+    with torch.no_grad():
+        _assert_same(split(*ex), (f(x, y),))
+
+
+def test_graph_without_breaks_is_one_graph_segment() -> None:
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(6, 8)
+    split, ex, ctx = _split(m, x)
+    assert _kinds(ctx.segments) == "g"
+    (call,) = split.graph.find_nodes(op="call_module")
+    assert call.meta["pp_token_dims"] == ((0, ctx.token_symbol),)  # copied from the segment's output
+    with torch.no_grad():
+        _assert_same(split(*ex), (m(x),))

@@ -1,0 +1,138 @@
+"""Tests of ``PPBreakableConfig``: defaults, validation of every key, the cap, the hash, the env var."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS, PPBreakableConfig
+
+FIELDS = [f.name for f in dataclasses.fields(PPBreakableConfig)]
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PPCOMPILE_DUMP_DIR", raising=False)
+    configs = (PPBreakableConfig(), PPBreakableConfig.from_options(None), PPBreakableConfig.from_options({}))
+    for config in configs:
+        assert config.capture_sizes is None
+        assert config.max_capture_tokens == DEFAULT_MAX_CAPTURE_TOKENS == 8192
+        assert config.cap == 8192
+        assert config.split_ops == ()
+        assert config.segment_compiler == "eager"
+        assert config.graph_mode == "auto"
+        assert config.max_padding_factor == 2.0
+        assert config.dump_dir is None
+        assert config.debug is False and config.owned_outputs is False
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PPBreakableConfig().debug = True  # type: ignore[misc]
+
+
+def test_unknown_key_lists_valid_keys() -> None:
+    with pytest.raises(ValueError, match="capture_size") as info:
+        PPBreakableConfig.from_options({"capture_size": [16]})
+    for name in FIELDS:
+        assert name in str(info.value)
+
+
+GOOD: dict[str, list[Any]] = {
+    "capture_sizes": [[1], (16, 32), [8, 8, 4]],
+    "max_capture_tokens": [1, 2048],
+    "split_ops": [[], ["aten::relu"], (torch.relu, "a::b")],
+    "segment_compiler": ["eager", "inductor"],
+    "graph_mode": ["auto", "cuda", "emulate", "eager"],
+    "max_padding_factor": [1, 1.0, 4.5],
+    "dump_dir": [None, "/tmp/dumps"],
+    "debug": [True, False],
+    "owned_outputs": [True, False],
+}
+BAD: dict[str, list[Any]] = {
+    "capture_sizes": [[], [0], [-4], [16, "32"], [2.0], [True], "16", 16, {16}],
+    "max_capture_tokens": [0, -1, 1.5, "8192", True, None],
+    "split_ops": ["aten::relu", ["relu"], ["a::b::c"], ["::relu"], ["aten::"], 3],
+    "segment_compiler": ["tvm", "Eager", None],
+    "graph_mode": ["graphs", "CUDA", None],
+    "max_padding_factor": [0.5, 0, -2.0, float("nan"), "2", True, None],
+    "dump_dir": [3, b"/tmp"],
+    "debug": [1, "yes", None],
+    "owned_outputs": [0, "no", None],
+}
+
+
+def test_every_field_has_cases() -> None:
+    assert sorted(GOOD) == sorted(FIELDS) == sorted(BAD)
+
+
+@pytest.mark.parametrize(("key", "value"), [(k, v) for k, vs in GOOD.items() for v in vs])
+def test_good_values(key: str, value: Any) -> None:
+    PPBreakableConfig.from_options({key: value})
+
+
+@pytest.mark.parametrize(("key", "value"), [(k, v) for k, vs in BAD.items() for v in vs])
+def test_bad_values_name_the_key(key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"option '{key}'"):
+        PPBreakableConfig.from_options({key: value})
+
+
+def test_capture_sizes_sorted_deduplicated_and_cap_is_max() -> None:
+    config = PPBreakableConfig.from_options({"capture_sizes": [64, 16, 32, 16], "max_capture_tokens": 8})
+    assert config.capture_sizes == (16, 32, 64)
+    assert config.cap == 64  # explicit sizes override max_capture_tokens
+    assert PPBreakableConfig(capture_sizes=[3, 1]).capture_sizes == (1, 3)  # type: ignore[arg-type]
+    assert PPBreakableConfig.from_options({"max_capture_tokens": 1000}).cap == 1000
+
+
+def test_split_ops_become_a_tuple() -> None:
+    config = PPBreakableConfig.from_options({"split_ops": ["aten::relu"]})
+    assert config.split_ops == ("aten::relu",)
+
+
+def test_compute_hash_is_stable_and_tracks_fields() -> None:
+    base = PPBreakableConfig.from_options({"capture_sizes": [16, 32]})
+    same = PPBreakableConfig.from_options({"capture_sizes": [32, 16, 16]})
+    assert base.compute_hash() == same.compute_hash()
+    assert len(base.compute_hash()) == 16
+    changed = {
+        "capture_sizes": [16, 64],
+        "max_capture_tokens": 4096,
+        "split_ops": ["aten::relu"],
+        "segment_compiler": "inductor",
+        "graph_mode": "emulate",
+        "max_padding_factor": 3.0,
+        "debug": True,
+        "owned_outputs": True,
+    }
+    hashes = {base.compute_hash()}
+    for key, value in changed.items():
+        h = PPBreakableConfig.from_options({"capture_sizes": [16, 32], key: value}).compute_hash()
+        assert h not in hashes, key
+        hashes.add(h)
+    # Where dumps go does not change what is compiled.
+    dumped = PPBreakableConfig.from_options({"capture_sizes": [16, 32], "dump_dir": "/tmp/x"})
+    assert dumped.compute_hash() == base.compute_hash()
+
+
+def test_compute_hash_of_op_objects_is_stable_across_processes() -> None:
+    """A hash keyed on ``str(op)`` of a builtin would contain its memory address."""
+    ops = (torch.relu, torch.ops.aten.relu, torch.ops.aten.relu.default)
+    here = PPBreakableConfig(split_ops=ops).compute_hash()
+    code = ("import torch; from ppcompile.config import PPBreakableConfig; print(PPBreakableConfig(split_ops="
+            "(torch.relu, torch.ops.aten.relu, torch.ops.aten.relu.default)).compute_hash())")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert there.strip() == here
+
+
+def test_dump_dir_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPCOMPILE_DUMP_DIR", "/tmp/from_env")
+    assert PPBreakableConfig.from_options({}).dump_dir == "/tmp/from_env"
+    assert PPBreakableConfig.from_options({"dump_dir": "/tmp/given"}).dump_dir == "/tmp/given"
+    assert PPBreakableConfig.from_options({"dump_dir": None}).dump_dir is None  # explicit wins
+    monkeypatch.setenv("PPCOMPILE_DUMP_DIR", "")
+    assert PPBreakableConfig.from_options({}).dump_dir is None

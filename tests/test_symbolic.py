@@ -1,0 +1,60 @@
+"""Tests of ``SizeFn``: fast evaluation of size expressions for a token count."""
+
+from __future__ import annotations
+
+import sympy
+from torch.utils._sympy.functions import FloorDiv
+
+from ppcompile.symbolic import SizeFn, size_expr
+
+S0 = sympy.Symbol("s0", integer=True, positive=True)
+S1 = sympy.Symbol("s1", integer=True, positive=True)
+
+
+def test_constant() -> None:
+    fn = SizeFn(sympy.Integer(64))
+    assert fn({}) == 64 and fn({S0: 3}) == 64
+    assert fn.expr == 64
+
+
+def test_the_symbol() -> None:
+    fn = SizeFn(S0)
+    assert [fn({S0: n}) for n in (1, 7, 8192)] == [1, 7, 8192]
+
+
+def test_linear() -> None:
+    fn = SizeFn(2 * S0 + 3)
+    assert fn({S0: 5}) == 13
+    assert SizeFn(4 * S0)({S0: 6}) == 24
+    assert SizeFn(S0 - 1)({S0: 1}) == 0
+
+
+def test_rational_coefficients_are_not_truncated() -> None:
+    assert SizeFn(S0 / 2)({S0: 4}) == 2
+    assert SizeFn((S0 + 1) / 2)({S0: 7}) == 4
+
+
+def test_floordiv() -> None:
+    fn = SizeFn(FloorDiv(S0, 2))
+    assert fn({S0: 7}) == 3
+    assert fn({S0: 8}) == 4
+    assert SizeFn(FloorDiv(S0 + 3, 4))({S0: 9}) == 3
+
+
+def test_general_expression_is_memoised() -> None:
+    fn = SizeFn(sympy.Max(S0, 4) * S1)
+    assert fn({S0: 2, S1: 3}) == 12
+    assert fn({S0: 6, S1: 3}) == 18
+    assert fn._cache == {(2, 3): 12, (6, 3): 18}
+    assert fn({S0: 2, S1: 3}) == 12
+    assert len(fn._cache) == 2
+    square = SizeFn(S0 * S0)
+    assert square({S0: 3}) == 9 and square._cache == {(3,): 9}
+
+
+def test_size_expr_of_an_int() -> None:
+    assert size_expr(5) == sympy.Integer(5)
+
+
+def test_repr() -> None:
+    assert repr(SizeFn(S0 + 1)) == "SizeFn(s0 + 1)"
