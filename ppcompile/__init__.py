@@ -10,6 +10,7 @@ from ppcompile.backends.pp_breakable import pp_breakable, stage_runtimes
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.passes.op_matching import register_attention_op
+from ppcompile.passes.token_locality import register_token_local_op
 from ppcompile.proxy import PPProxyTensors
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "counters",
     "pp_breakable",
     "register_attention_op",
+    "register_token_local_op",
     "stage_runtimes",
 ]
 __version__ = "0.1.0"

@@ -21,6 +21,7 @@ DEFAULT_MAX_CAPTURE_TOKENS = 8192
 
 SEGMENT_COMPILERS = ("eager", "inductor")
 GRAPH_MODES = ("auto", "cuda", "emulate", "eager")
+ON_UNSAFE = ("break", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,10 @@ class PPBreakableConfig:
             ``"eager"`` (same static-buffer path, no graphs) or ``"auto"`` (cuda on CUDA tensors, else
             emulate).
         max_padding_factor: a forward whose bucket exceeds this times its token count runs eagerly.
+        on_unsafe: what to do with a graphed op that mixes token rows (so padding could leak):
+            ``"break"`` runs it eagerly on live rows, ``"error"`` fails the compile naming it.
+        token_local_ops: ops to treat as token-local (row i of the outputs depends only on row i of
+            the inputs) in addition to the known ones, as ``"namespace::op"`` strings or op objects.
         dump_dir: write pass dumps here (default: ``PPCOMPILE_DUMP_DIR``).
         debug: check at every replay that graphs read the captured tensors, and detect reads of
             outputs that a later call overwrote.
@@ -50,6 +55,8 @@ class PPBreakableConfig:
     segment_compiler: str = "eager"
     graph_mode: str = "auto"
     max_padding_factor: float = 2.0
+    on_unsafe: str = "break"
+    token_local_ops: tuple[Any, ...] = ()
     dump_dir: str | None = None
     debug: bool = False
     owned_outputs: bool = False
@@ -65,16 +72,14 @@ class PPBreakableConfig:
         mct = self.max_capture_tokens
         if isinstance(mct, bool) or not isinstance(mct, int) or mct < 1:
             _bad("max_capture_tokens", mct, "a positive int")
-        if isinstance(self.split_ops, (str, bytes)) or not isinstance(self.split_ops, Sequence):
-            _bad("split_ops", self.split_ops, 'a list of "namespace::op" strings or op objects')
-        object.__setattr__(self, "split_ops", tuple(self.split_ops))
-        for op in self.split_ops:
-            if isinstance(op, str) and (op.count("::") != 1 or not all(op.split("::"))):
-                _bad("split_ops", op, 'strings of the form "namespace::op"')
+        for key in ("split_ops", "token_local_ops"):
+            object.__setattr__(self, key, _checked_ops(key, getattr(self, key)))
         if self.segment_compiler not in SEGMENT_COMPILERS:
             _bad("segment_compiler", self.segment_compiler, " | ".join(map(repr, SEGMENT_COMPILERS)))
         if self.graph_mode not in GRAPH_MODES:
             _bad("graph_mode", self.graph_mode, " | ".join(map(repr, GRAPH_MODES)))
+        if self.on_unsafe not in ON_UNSAFE:
+            _bad("on_unsafe", self.on_unsafe, " | ".join(map(repr, ON_UNSAFE)))
         mpf = self.max_padding_factor
         if isinstance(mpf, bool) or not isinstance(mpf, (int, float)) or not mpf >= 1.0:
             _bad("max_padding_factor", mpf, "a number >= 1.0")
@@ -109,8 +114,18 @@ class PPBreakableConfig:
         """A stable hash of every field that changes what is compiled or captured."""
         fields = dataclasses.asdict(self)
         fields.pop("dump_dir")
-        fields["split_ops"] = [_op_key(op) for op in self.split_ops]
+        for key in ("split_ops", "token_local_ops"):
+            fields[key] = [_op_key(op) for op in getattr(self, key)]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _checked_ops(key: str, ops: Any) -> tuple[Any, ...]:
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):
+        _bad(key, ops, 'a list of "namespace::op" strings or op objects')
+    for op in ops:
+        if isinstance(op, str) and (op.count("::") != 1 or not all(op.split("::"))):
+            _bad(key, op, 'strings of the form "namespace::op"')
+    return tuple(ops)
 
 
 def _op_key(op: Any) -> str:

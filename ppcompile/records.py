@@ -16,6 +16,8 @@ class BreakKind(str, enum.Enum):
     ATTENTION = "attention"
     USER_SPLIT_OP = "user split op"
     NON_TOKEN_SHAPE = "non-token dynamic shape"
+    UNSAFE_OP = "padding-unsafe op"
+    HOST_SCALAR = "host scalar argument"
     NO_TENSOR_OUTPUTS = "no tensor outputs"
     OTHER = "other"
 
@@ -39,6 +41,9 @@ class InputKind(str, enum.Enum):
     MODULE_STATE = "module state"  # parameter or buffer: fixed address, read directly by graphs
     TENSOR = "tensor"  # a live input (token inputs, PP proxies, ...): copied into a static buffer
     SYMINT = "symint"  # a dynamic size: evaluated for the bucket (graphs) or the live count (breaks)
+    # Python numbers Dynamo passes as 0-dim CPU tensors (unspecialized floats):
+    CONSTANT_SCALAR = "constant scalar"  # an attribute (a norm's eps): baked into graphs, keyed by value
+    SCALAR_ARG = "scalar argument"  # passed per call: ops that read it run eagerly
     OTHER = "other"
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ppcompile.passes.manager import PASSES
+from ppcompile.passes.token_locality import RULES
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "passes.md"
 
@@ -51,7 +52,26 @@ def render() -> str:
         summary = title.removeprefix(f"Pass ``{p.__name__}``: ").strip().replace("``", "`")
         parts.append(summary[:1].upper() + summary[1:] + "\n")
         parts.append(_fence_literal_blocks(body.strip()) + "\n")
+    parts.append(_rules_table())
     return "\n".join(parts)
+
+
+def _rules_table() -> str:
+    """The ops ``check_padding_safety`` knows, grouped by the rule that judges them."""
+    groups: dict[str, list[str]] = {}
+    for name, rule in sorted(RULES.items()):
+        label = (rule.__doc__ or rule.__qualname__).strip().splitlines()[0].replace("``", "`")
+        groups.setdefault(label, []).append(f"`{name}`")
+    lines = [
+        "## Ops known to `check_padding_safety`\n",
+        "Torch functions, `Tensor` methods and `aten` ops, by name. Any other op that touches a token",
+        "dim is padding-unsafe until registered (`ppcompile.register_token_local_op` or the",
+        "`token_local_ops` option). See [padding-safety.md](padding-safety.md).\n",
+        "| rule | ops |",
+        "|---|---|",
+    ]
+    lines += [f"| {label} | {', '.join(names)} |" for label, names in groups.items()]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ GOOD: dict[str, list[Any]] = {
     "dump_dir": [None, "/tmp/dumps"],
     "debug": [True, False],
     "owned_outputs": [True, False],
+    "on_unsafe": ["break", "error"],
+    "token_local_ops": [[], ["mylib::rowwise"], (torch.relu,)],
 }
 BAD: dict[str, list[Any]] = {
     "capture_sizes": [[], [0], [-4], [16, "32"], [2.0], [True], "16", 16, {16}],
@@ -63,6 +65,8 @@ BAD: dict[str, list[Any]] = {
     "dump_dir": [3, b"/tmp"],
     "debug": [1, "yes", None],
     "owned_outputs": [0, "no", None],
+    "on_unsafe": ["eager", "Error", None],
+    "token_local_ops": ["mylib::rowwise", ["rowwise"], 3],
 }
 
 

@@ -41,6 +41,7 @@ __all__ = ["classify_input", "find_token_dims"]
 log = logging.getLogger(__name__)
 
 _MODULE_STATE_SOURCE = re.compile(r"\._(parameters|buffers)\[")
+_LOCAL_SOURCE = re.compile(r"^L(\[[^\]]+\])+$")  # L['x'], L['kwargs']['scale']: passed per call
 
 
 def classify_input(node: torch.fx.Node, example: object) -> InputKind:
@@ -55,32 +56,41 @@ def classify_input(node: torch.fx.Node, example: object) -> InputKind:
     source = getattr(grapharg, "source", None)
     if source is not None and _MODULE_STATE_SOURCE.search(source.name):
         return InputKind.MODULE_STATE
+    if getattr(grapharg, "pass_arg_as_tensor", False):
+        per_call = source is None or _LOCAL_SOURCE.match(source.name)
+        return InputKind.SCALAR_ARG if per_call else InputKind.CONSTANT_SCALAR
     return InputKind.TENSOR
-
-
-def _token_dims(value: torch.Tensor, token: sympy.Symbol) -> tuple[tuple[int, sympy.Expr], ...]:
-    return tuple((d, e) for d, e in enumerate(shape_exprs(value)) if token in e.free_symbols)
 
 
 def _pick_token_symbol(
     placeholders: list[torch.fx.Node], kinds: list[InputKind]
 ) -> tuple[sympy.Symbol | None, tuple[int, int] | None]:
-    """The bare symbol most often found as a live tensor input's leading dim (else any dim)."""
-    for leading_only in (True, False):
-        votes: Counter[sympy.Symbol] = Counter()
-        first: dict[sympy.Symbol, tuple[int, int]] = {}
-        for i, (node, kind) in enumerate(zip(placeholders, kinds)):
-            value = example_value(node)
-            if kind is not InputKind.TENSOR or value.dim() == 0:
-                continue
-            exprs = shape_exprs(value)
-            for d, e in enumerate(exprs[:1] if leading_only else exprs):
-                if isinstance(e, sympy.Symbol):
-                    votes[e] += 1
-                    first.setdefault(e, (i, d))
-        if votes:
-            symbol = max(votes, key=lambda s: (votes[s], -first[s][0]))
-            return symbol, first[symbol]
+    """The token symbol and the (input, dim) that first carries it.
+
+    Tokens are packed along the leading dim (``[T]``, ``[T, H]``): the bare symbol most often found as
+    a live tensor input's leading dim wins. Failing that, the ``[1, T, ...]`` layout of batch-first
+    model code: a symbol that is dim 1 of *every* live input whose dim 0 is 1. Anything else (say a
+    top-k width that stayed dynamic while a 1-token batch pinned the token dim to 1) is not the
+    token count: the graph is then treated as having concrete token sizes.
+    """
+    tensors = [
+        (i, shape_exprs(example_value(node)))
+        for i, (node, kind) in enumerate(zip(placeholders, kinds))
+        if kind is InputKind.TENSOR and example_value(node).dim() > 0
+    ]
+    votes: Counter[sympy.Symbol] = Counter()
+    first: dict[sympy.Symbol, tuple[int, int]] = {}
+    for i, exprs in tensors:
+        if isinstance(exprs[0], sympy.Symbol):
+            votes[exprs[0]] += 1
+            first.setdefault(exprs[0], (i, 0))
+    if votes:
+        symbol = max(votes, key=lambda s: (votes[s], -first[s][0]))
+        return symbol, first[symbol]
+    batch_first = [(i, exprs) for i, exprs in tensors if len(exprs) > 1 and exprs[0] == 1]
+    dim1 = {exprs[1] for _, exprs in batch_first}
+    if len(dim1) == 1 and isinstance(symbol := next(iter(dim1)), sympy.Symbol):
+        return symbol, (batch_first[0][0], 1)
     return None, None
 
 

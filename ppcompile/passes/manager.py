@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ppcompile.passes.align_global_layers import align_global_layers
+from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.find_token_dims import find_token_dims
 from ppcompile.passes.lift_static_inputs import lift_static_inputs
@@ -30,7 +31,11 @@ PASSES: tuple[Pass, ...] = (
     find_token_dims,
     # Needs nothing but the flat graph; must see attention calls before they are split apart.
     align_global_layers,
-    # Needs token dims (non-token shapes are breaks) and layer ids (recorded on break segments).
+    # Needs token dims (it judges ops by which of their dims scale with tokens); must run before the
+    # split, which turns the nodes it flags into breaks.
+    check_padding_safety,
+    # Needs token dims (non-token shapes are breaks), layer ids (recorded on break segments) and the
+    # padding-safety verdicts.
     split_at_breaks,
     # Needs the segments: only inputs that graph segments read are lifted.
     lift_static_inputs,

@@ -2,9 +2,11 @@
 
 Break nodes run eagerly on live-size tensors between graph segments: attention ops (the registered
 attention ops and ``scaled_dot_product_attention``), every op in the ``split_ops`` option (matched as
-``OpOverload`` or packet), and nodes whose shapes or size arguments depend on a dynamic symbol other
-than the token count (a graph captured per token bucket would replay a stale value). Each attention or
-split op gets a partition of its own; a run of consecutive non-token-shape nodes shares one.
+``OpOverload`` or packet), nodes whose shapes or size arguments depend on a dynamic symbol other than
+the token count, and nodes that read a Python number passed per call (a graph captured per token
+bucket would replay a stale value), and nodes ``check_padding_safety`` found mixing token rows. Each
+attention or split op gets a partition of its own; a run of consecutive breaks of another kind shares
+one, whose reason names every op of the run.
 ``getitem`` nodes that unpack a break op's tuple stay with it. The split keeps the original node order
 (in-place ops stay where they were).
 
@@ -29,6 +31,7 @@ After::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 
@@ -38,7 +41,7 @@ from torch.fx.passes.split_module import split_module
 
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.op_matching import OpMatcher, always_split_ops
-from ppcompile.records import BreakKind, BreakReason, Segment
+from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
 from ppcompile.symbolic import example_value, shape_exprs, size_expr
 
 __all__ = ["split_at_breaks"]
@@ -74,9 +77,12 @@ def _mentions_other_symbols(node: torch.fx.Node, ctx: PassContext) -> bool:
 
 
 def _break_reason(
-    node: torch.fx.Node, ctx: PassContext, attention: OpMatcher, user: OpMatcher
+    node: torch.fx.Node, ctx: PassContext, attention: OpMatcher, user: OpMatcher, host: set[torch.fx.Node]
 ) -> BreakReason | None:
     trace = node.meta.get("stack_trace")
+    reads_host = any(a in host for a in node.all_input_nodes)
+    if reads_host and not isinstance(example_value(node), torch.Tensor):
+        host.add(node)  # a number derived from a per-call scalar: its readers run eagerly too
     if attention.matches(node):
         layer = node.meta.get("pp_layer_id")
         detail = f"global layer {layer}" if layer is not None else ""
@@ -89,7 +95,24 @@ def _break_reason(
             BreakKind.NON_TOKEN_SHAPE, _op_name(node),
             f"depends on {others}, not only on the token count", trace,
         )
+    if "pp_unsafe" in node.meta:
+        return BreakReason(BreakKind.UNSAFE_OP, _op_name(node), node.meta["pp_unsafe"], trace)
+    if reads_host:
+        return BreakReason(
+            BreakKind.HOST_SCALAR, _op_name(node),
+            "reads a Python number passed per call, which a graph would replay stale", trace,
+        )
     return None
+
+
+_MERGEABLE = (BreakKind.NON_TOKEN_SHAPE, BreakKind.UNSAFE_OP, BreakKind.HOST_SCALAR)
+
+
+def _extend(reason: BreakReason, node: torch.fx.Node) -> BreakReason:
+    """The reason of a run of breaks of one kind: its first node's, naming every op of the run."""
+    ops = reason.op.split(", ")
+    name = _op_name(node)
+    return reason if name in ops else dataclasses.replace(reason, op=f"{reason.op}, {name}")
 
 
 def _has_tensor_output(submod: torch.fx.GraphModule) -> bool:
@@ -117,6 +140,8 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Splits ``gm`` into ``submod_<i>`` segments; fills ``ctx.segments``."""
     attention = OpMatcher(always_split_ops())
     user = OpMatcher(ctx.config.split_ops)
+    host = {p for p, kind in zip(gm.graph.find_nodes(op="placeholder"), ctx.input_kinds)
+            if kind is InputKind.SCALAR_ARG}
     partition: dict[torch.fx.Node, int] = {}
     reasons: dict[int, BreakReason] = {}
     layer_ids: dict[int, tuple[int, ...]] = {}
@@ -130,15 +155,13 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             if parent in reasons:
                 partition[node] = parent
                 continue
-        reason = _break_reason(node, ctx, attention, user)
+        reason = _break_reason(node, ctx, attention, user, host)
         if reason is None:
             if current_is_break:
                 part += 1
                 current_is_break = False
-        elif reason.kind is BreakKind.NON_TOKEN_SHAPE and current_is_break and (
-            reasons[part].kind is BreakKind.NON_TOKEN_SHAPE
-        ):
-            pass  # extend the current run of non-token-shape nodes
+        elif current_is_break and reason.kind in _MERGEABLE and reasons[part].kind is reason.kind:
+            reasons[part] = _extend(reasons[part], node)  # one break for a run of one kind
         else:
             part += 1
             reasons[part] = reason
@@ -154,7 +177,8 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         submod = getattr(split, str(node.target))
         reason = reasons.get(index)
         if reason is None and not _has_tensor_output(submod):
-            reason = BreakReason(BreakKind.NO_TENSOR_OUTPUTS, "size arithmetic", "nothing to capture")
+            ops = dict.fromkeys(_op_name(n) for n in submod.graph.nodes if n.op.startswith("call_"))
+            reason = BreakReason(BreakKind.NO_TENSOR_OUTPUTS, ", ".join(ops), "computes only numbers")
         segment = Segment(
             name=str(node.target),
             kind="graph" if reason is None else "break",

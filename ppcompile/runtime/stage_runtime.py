@@ -44,7 +44,7 @@ class _InstanceState:
     """Static buffers and captured graphs for one set of module-state tensors."""
 
     executor: GraphExecutor
-    module_state: tuple[torch.Tensor, ...]  # strong references: the graphs read them in place
+    module_state: tuple[torch.Tensor, ...]  # strong references: the graphs read them (and bake scalars)
     input_buffers: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     bridge_buffers: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     tables: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
@@ -75,12 +75,13 @@ class StageRuntime:
         self.trims = ctx.trims
         self.token_symbol: sympy.Symbol | None = ctx.token_symbol
         self._state_slots = tuple(i for i, k in enumerate(ctx.input_kinds) if k is InputKind.MODULE_STATE)
+        self._scalar_slots = tuple(i for i, k in enumerate(ctx.input_kinds) if k is InputKind.CONSTANT_SCALAR)
         self._symbol_slots = tuple(
             (i, e) for i, e in ctx.symint_inputs.items() if isinstance(e, sympy.Symbol)
         )
         self._token_slot = next((i for i, e in self._symbol_slots if e == ctx.token_symbol), None)
         self._token_input = ctx.token_input
-        self._states: dict[tuple[int, ...], _InstanceState] = {}
+        self._states: dict[tuple[Any, ...], _InstanceState] = {}
         self._owned_slots = frozenset(s for st in program.steps if st.segment.is_graph for s in st.live_views)
         self._warned: set[str] = set()
         self.eager_reason = self._why_never_graphed(ctx)
@@ -100,7 +101,7 @@ class StageRuntime:
             if not st.segment.is_graph:
                 continue
             for r in st.args:
-                readable = (InputKind.MODULE_STATE, InputKind.TENSOR)
+                readable = (InputKind.MODULE_STATE, InputKind.TENSOR, InputKind.CONSTANT_SCALAR)
                 if 0 <= r.slot < len(kinds) and kinds[r.slot] not in readable:
                     return f"graph segment {st.segment.name} reads a non-tensor input (slot {r.slot})"
         if not any(st.segment.is_graph for st in self.program.steps):
@@ -206,18 +207,20 @@ class StageRuntime:
 
     # ----------------------------------------------------------------------------------- capture
     def _state_for(self, args: tuple[Any, ...]) -> _InstanceState:
-        key = tuple(map(id, [args[i] for i in self._state_slots]))
+        # Graphs read module state in place and bake constant scalars (a norm's eps) at capture: key
+        # the captured graphs by the identity of the one and the value of the other.
+        key = (*map(id, [args[i] for i in self._state_slots]), *[args[i].item() for i in self._scalar_slots])
         state = self._states.get(key)
         if state is None:
             state = self._capture(args, key)
         return state
 
-    def _capture(self, args: tuple[Any, ...], key: tuple[int, ...]) -> _InstanceState:
+    def _capture(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> _InstanceState:
         """Allocates static buffers and captures every (graph segment, bucket), largest bucket first."""
         program = self.program
         state = _InstanceState(
             executor=make_executor(self.graph_mode, self.config.debug),
-            module_state=tuple(args[i] for i in self._state_slots),
+            module_state=tuple(args[i] for i in (*self._state_slots, *self._scalar_slots)),
         )
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
         state.input_buffers = {s: allocate(spec) for s, spec in program.input_buffers.items()}
@@ -230,7 +233,7 @@ class StageRuntime:
                 for b in sorted(self.plan.sizes, reverse=True):
                     env[self.token_symbol] = b
                     table: list[Any] = [None] * program.num_slots
-                    for i in self._state_slots:
+                    for i in (*self._state_slots, *self._scalar_slots):
                         table[i] = args[i]
                     for s, buf in (*state.input_buffers.items(), *state.bridge_buffers.items()):
                         table[s] = narrow_to(buf, program.token_dims.get(s, ()), env)

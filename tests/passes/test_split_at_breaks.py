@@ -130,8 +130,11 @@ def test_user_split_op_as_string_packet_or_overload(op: Any) -> None:
         _assert_same(split(*ex), (m(x),))
 
 
-def test_user_op_is_not_a_break_unless_listed() -> None:
+def test_user_op_is_not_a_split_op_unless_listed() -> None:
+    # Unknown custom ops are padding-unsafe until declared token-local; then nothing breaks.
     _, _, ctx = _split(_Mix(), torch.randn(6, 8))
+    assert [s.reason.kind for s in ctx.segments if s.reason] == [BreakKind.UNSAFE_OP]
+    _, _, ctx = _split(_Mix(), torch.randn(6, 8), token_local_ops=["pptest::mix"])
     assert _kinds(ctx.segments) == "g"
     assert ctx.segments[0].num_nodes == 3
 

@@ -1,0 +1,98 @@
+"""Pass ``check_padding_safety``: prove graphed regions keep token rows independent; flag what does not.
+
+A graph replays ``b`` rows where only ``n`` are live. That is correct only if no graphed op mixes rows
+along the token dim: a mean or sum over tokens, a cumsum, a sort or top-k along tokens, attention written
+out in plain ops, a matmul contracting over tokens, an index or gather that addresses other tokens, a
+``view`` that folds tokens into another dim. For every node that touches a token dim this pass applies
+the op's rule (``token_locality.RULES``); a node that fails, or whose op has no rule and is not
+registered token-local, gets ``meta["pp_unsafe"]`` with the reason. ``split_at_breaks`` then makes it a
+break that runs eagerly on live rows, or, with ``on_unsafe="error"``, compilation fails naming the op,
+its source line and the reason.
+
+Before (``s0`` tokens)::
+
+    linear = torch._C._nn.linear(L_x_, L_w_)        # f32[s0, 64]
+    mean = linear.mean(0, keepdim=True)             # f32[1, 64]: a mean over tokens
+    sub = linear - mean
+    return (sub,)
+
+After (same code)::
+
+    linear.meta                   # no "pp_unsafe": contracts features only
+    mean.meta["pp_unsafe"] == "mean reduces along the token dim"
+    sub.meta                      # elementwise, broadcasts [1, 64] over rows: token-local
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.passes.op_matching import OpMatcher, always_split_ops, resolve_op
+from ppcompile.passes.token_locality import is_registered_token_local, rule_for
+
+__all__ = ["PaddingSafetyError", "check_padding_safety"]
+
+log = logging.getLogger(__name__)
+
+
+class PaddingSafetyError(ValueError):
+    """A graphed op mixes token rows and ``on_unsafe="error"`` asked to fail."""
+
+
+def _op_label(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _touches_tokens(node: torch.fx.Node) -> bool:
+    if node.meta.get("pp_token_dims"):
+        return True
+    args = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+    return any(isinstance(a, torch.fx.Node) and a.meta.get("pp_token_dims") for a in args)
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The innermost user frame of the node's stack trace (``File "...", line N, in f``), if any."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+    return frames[-1] if frames else "(no source line recorded)"
+
+
+def check_padding_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Marks row-mixing nodes ``meta["pp_unsafe"]``; raises instead when ``on_unsafe="error"``."""
+    if ctx.is_static:
+        return PassResult(gm, modified=False)
+    breaks = OpMatcher([*always_split_ops(), *ctx.config.split_ops])
+    extra_safe = [resolve_op(op) for op in ctx.config.token_local_ops]
+    unsafe = 0
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or breaks.matches(node):
+            continue
+        if not _touches_tokens(node):
+            continue
+        if node.op == "call_function" and is_registered_token_local(node.target, extra_safe):
+            continue
+        rule = rule_for(node)
+        if rule is None:
+            reason = f"{_op_label(node)} is not known to be token-local (register it if it is)"
+        else:
+            problem = rule(node)
+            if problem is None:
+                continue
+            reason = f"{_op_label(node)} {problem}"
+        if ctx.config.on_unsafe == "error":
+            raise PaddingSafetyError(
+                f"pp_breakable: {reason}, so padded rows would leak into live rows "
+                f"({ctx.graph_name}, node {node.name}, at {source_line(node)}). Use on_unsafe='break' "
+                f"to run it eagerly, or register it with ppcompile.register_token_local_op if it is "
+                f"token-local."
+            )
+        node.meta["pp_unsafe"] = reason
+        unsafe += 1
+        log.info("%s: %s at %s: runs eagerly (padding safety)", ctx.graph_name, reason, source_line(node))
+    log.debug("%s: %d padding-unsafe nodes", ctx.graph_name, unsafe)
+    return PassResult(gm, modified=False)

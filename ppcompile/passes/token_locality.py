@@ -1,0 +1,281 @@
+"""Which ops keep token rows independent: the rules ``check_padding_safety`` applies, op by op.
+
+A graph replays ``b >= n`` rows; padded rows ``[n:b]`` must not reach live rows. An op is *token-local*
+when every token index of its output depends only on the same token index of its inputs. The rules
+below decide that from the op's semantics and the traced token dims of its arguments
+(``meta["pp_token_dims"]``, set by ``find_token_dims``). A rule returns ``None`` when the node is
+token-local, else the reason it is not. Ops without a rule are unsafe unless registered with
+``register_token_local_op`` (or the ``token_local_ops`` option).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["RULES", "is_registered_token_local", "register_token_local_op", "rule_for"]
+
+Rule = Callable[[torch.fx.Node], "str | None"]
+
+_REGISTERED: set[Any] = set()
+
+
+def register_token_local_op(op: Any) -> None:
+    """Declares ``op`` (an op, packet, or ``"ns::name"``) token-local: row i of its outputs depends only
+    on row i of its inputs, so it may run inside graphs on padded buckets."""
+    from ppcompile.passes.op_matching import resolve_op
+
+    _REGISTERED.add(resolve_op(op))
+
+
+def is_registered_token_local(target: Any, extra: Sequence[Any] = ()) -> bool:
+    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else None
+    pool = _REGISTERED.union(extra)
+    return target in pool or (packet is not None and packet in pool)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _dims(arg: Any) -> dict[int, Any]:
+    if isinstance(arg, torch.fx.Node):
+        return dict(arg.meta.get("pp_token_dims", ()))
+    return {}
+
+
+def _ndim(arg: Any) -> int:
+    value = arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, torch.fx.Node) else None
+    return value.dim() if isinstance(value, torch.Tensor) else 0
+
+
+def _is_tensor(arg: Any) -> bool:
+    return isinstance(arg, torch.fx.Node) and isinstance(
+        arg.meta.get("example_value", arg.meta.get("val")), torch.Tensor
+    )
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
+def _norm_dims(dim: Any, ndim: int) -> list[int] | None:
+    if dim is None:
+        return None
+    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    if not all(isinstance(d, int) for d in dims):
+        return []  # a dynamic dim index: treated as unknown below
+    return [d % max(ndim, 1) for d in dims]
+
+
+def _touching(dims: list[int] | None, src: Any, what: str) -> str | None:
+    token = _dims(src)
+    if not token:
+        return None
+    if dims is None:
+        return f"{what} over every dim, including the token dim"
+    if dims == [] or any(d in token for d in dims):
+        return f"{what} along the token dim"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ rules
+def pointwise(node: torch.fx.Node) -> str | None:
+    """Elementwise with broadcasting: each input token dim must land on the same output token dim."""
+    out, rank = _dims(node), _ndim(node)
+    flat = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+    for arg in flat:
+        for d, expr in _dims(arg).items():
+            o = d + rank - _ndim(arg)
+            if out.get(o) != expr:
+                return "broadcasts a token dim onto another dim"
+    return None
+
+
+def _reduce(default: Any, index: int = 1, what: str = "reduces") -> Rule:
+    def rule(node: torch.fx.Node) -> str | None:
+        src = node.args[0]
+        if what == "reduces" and _is_tensor(_arg(node, index, "other")):
+            return pointwise(node)  # max(a, b) / min(a, b): elementwise
+        dim = _arg(node, index, "dim", default)
+        return _touching(_norm_dims(dim, _ndim(src)), src, what)
+
+    rule.__doc__ = f"Token-local unless it {what} over a token dim (no dim: over every dim)."
+    return rule
+
+
+def _dim_op(index: int, default: Any, what: str) -> Rule:
+    def rule(node: torch.fx.Node) -> str | None:
+        src = node.args[0]
+        return _touching(_norm_dims(_arg(node, index, "dim", default), _ndim(src)), src, what)
+
+    rule.__doc__ = f"Token-local unless it {what} along a token dim."
+    return rule
+
+
+def linear(node: torch.fx.Node) -> str | None:
+    """``linear(x, w, b)`` contracts x's last dim; weights must not scale with tokens."""
+    x = node.args[0]
+    if _ndim(x) - 1 in _dims(x):
+        return "contracts over the token dim"
+    if any(_dims(a) for a in node.args[1:]):
+        return "its weight scales with tokens"
+    return None
+
+
+def matmul(node: torch.fx.Node) -> str | None:
+    """Matrix products: token-local unless a contracted dim is a token dim."""
+    a, b = node.args[0], node.args[1]
+    if _ndim(a) - 1 in _dims(a) or max(_ndim(b) - 2, 0) in _dims(b):
+        return "contracts over the token dim"
+    return None
+
+
+def embedding(node: torch.fx.Node) -> str | None:
+    """Table lookups by token-major indices: token-local unless the table scales with tokens."""
+    return "its table scales with tokens" if _dims(node.args[1]) else None
+
+
+def permute(node: torch.fx.Node) -> str | None:
+    """Dim permutations: always token-local (the token dim moves, rows stay whole)."""
+    return None  # moves the token dim; rows stay whole
+
+
+def reshape(node: torch.fx.Node) -> str | None:
+    """A reshape keeps rows whole when the token dim keeps its size and the same static prefix."""
+    src = node.args[0]
+    before, after = _dims(src), _dims(node)
+    if not before and not after:
+        return None
+    if len(before) != 1 or len(after) != 1:
+        return "reshapes across token dims"
+    (di, ei), (do, eo) = next(iter(before.items())), next(iter(after.items()))
+    if ei != eo:
+        return "folds the token dim into another dim"
+    shape_in = src.meta.get("example_value", src.meta.get("val")).shape  # type: ignore[union-attr]
+    shape_out = node.meta.get("example_value", node.meta.get("val")).shape  # type: ignore[union-attr]
+    prefix_in = [int(s) for s in shape_in[:di] if not isinstance(s, torch.SymInt)]
+    prefix_out = [int(s) for s in shape_out[:do] if not isinstance(s, torch.SymInt)]
+    if len(prefix_in) != di or len(prefix_out) != do or _prod(prefix_in) != _prod(prefix_out):
+        return "moves data across token rows"
+    return None
+
+
+def _prod(xs: list[int]) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def getitem(node: torch.fx.Node) -> str | None:
+    """Indexing: slicing or selecting along the token dim, or gathering token rows, mixes rows."""
+    src, index = node.args[0], node.args[1]
+    if not _is_tensor(src):
+        return None  # picks an element of a tuple
+    token = _dims(src)
+    if not token:
+        return None
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(i is Ellipsis for i in items):
+        pos = items.index(Ellipsis)
+        consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+        items[pos : pos + 1] = [slice(None)] * (_ndim(src) - consumed)
+    dim = 0
+    for item in items:
+        if item is None:
+            continue
+        if dim in token and item != slice(None):
+            return "slices, selects or gathers along the token dim"
+        dim += 1
+    return None
+
+
+def cat(node: torch.fx.Node) -> str | None:
+    """Concatenation: token-local unless along a token dim."""
+    tensors = node.args[0]
+    first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else None
+    dim = _norm_dims(_arg(node, 1, "dim", 0), _ndim(first))
+    return _touching(dim, first, "concatenates") if first is not None else None
+
+
+def layer_norm(node: torch.fx.Node) -> str | None:
+    """Norms over trailing dims: token-local unless a normalized dim is a token dim."""
+    src, shape = node.args[0], _arg(node, 1, "normalized_shape", ())
+    count = len(shape) if isinstance(shape, (list, tuple)) else 1
+    return _touching(list(range(_ndim(src) - count, _ndim(src))), src, "normalizes")
+
+
+def item(node: torch.fx.Node) -> str | None:
+    """``Tensor.item``: token-local only on tensors without token dims."""
+    return "reads one element of a token-sized tensor" if _dims(node.args[0]) else None
+
+
+def factory(node: torch.fx.Node) -> str | None:
+    """New tensors and metadata (factories, ``stack``, sizes): always token-local."""
+    return None  # new tensors: each row is filled independently
+
+
+_POINTWISE = (
+    "add", "sub", "mul", "truediv", "floordiv", "div", "pow", "neg", "abs", "exp", "exp2", "expm1",
+    "log", "log1p", "log2", "rsqrt", "sqrt", "square", "sigmoid", "tanh", "relu", "relu6", "silu",
+    "gelu", "softplus", "mish", "elu", "leaky_relu", "hardtanh", "hardswish", "hardsigmoid", "sin",
+    "cos", "erf", "reciprocal", "sign", "floor", "ceil", "round", "trunc", "clamp", "clamp_min",
+    "clamp_max", "clip", "maximum", "minimum", "where", "masked_fill", "lerp", "addcmul", "addcdiv",
+    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
+    "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor", "and_", "or_", "xor", "invert", "mod",
+    "remainder", "fmod", "float", "half", "bfloat16", "double", "int", "long", "bool", "to", "type",
+    "type_as", "contiguous", "clone", "detach", "iadd", "isub", "imul", "itruediv", "add_", "sub_",
+    "mul_", "div_", "copy_", "fill_", "zero_", "clamp_", "masked_fill_", "relu_", "silu_", "zeros_like",
+    "ones_like", "empty_like", "full_like", "dropout", "nan_to_num", "expand", "expand_as",
+)
+
+RULES: dict[str, Rule] = {name: pointwise for name in _POINTWISE}
+RULES.update({
+    name: _reduce(None) for name in
+    (
+        "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "logsumexp", "argmax",
+        "argmin", "any", "all", "nansum", "nanmean",
+    )
+})
+RULES["norm"] = _reduce(None, index=2)  # norm(x, p, dim)
+RULES.update({name: _reduce(None, what="normalizes") for name in ("softmax", "log_softmax")})
+RULES.update({name: _dim_op(1, None, "scans") for name in ("cumsum", "cumprod", "cummax", "cummin")})
+RULES.update({"topk": _dim_op(2, -1, "ranks"), "sort": _dim_op(1, -1, "ranks"),
+              "argsort": _dim_op(1, -1, "ranks"), "kthvalue": _dim_op(2, -1, "ranks")})
+RULES.update({name: _dim_op(2, 0, "splits") for name in ("split", "chunk", "tensor_split")})
+RULES.update({"unbind": _dim_op(1, 0, "splits"), "narrow": _dim_op(1, None, "slices"),
+              "select": _dim_op(1, None, "selects")})
+RULES.update({name: _dim_op(1, None, "gathers or scatters") for name in (
+    "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "index_select",
+    "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_")})
+RULES.update({name: reshape for name in (
+    "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as")})
+RULES.update({name: permute for name in ("transpose", "permute", "t", "movedim", "swapaxes", "swapdims")})
+RULES.update({name: factory for name in (
+    "zeros", "ones", "empty", "full", "arange", "tensor", "scalar_tensor", "size", "dim", "stride",
+    "numel", "sym_size", "sym_numel", "sym_stride", "get_device")})
+RULES.update({"linear": linear, "matmul": matmul, "mm": matmul, "bmm": matmul, "embedding": embedding,
+              "getitem": getitem, "cat": cat, "concat": cat, "concatenate": cat, "stack": factory,
+              "layer_norm": layer_norm, "rms_norm": layer_norm, "item": item})
+# stack adds a new dim and keeps each input's token dims: token-local like a factory of its inputs.
+
+_TORCH_MODULES = ("torch", "_operator", "operator", "builtins", "math")
+
+
+def rule_for(node: torch.fx.Node) -> Rule | None:
+    """The rule for a node's op: by method name, or by name for torch/operator functions."""
+    if node.op == "call_method":
+        return RULES.get(str(node.target))
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+        if packet._qualified_op_name.startswith("aten::"):
+            return RULES.get(packet._qualified_op_name[len("aten::"):])
+        return None  # custom ops: unknown unless registered
+    module = getattr(target, "__module__", None) or ""
+    if target is operator.getitem or module.split(".")[0] in _TORCH_MODULES:
+        return RULES.get(getattr(target, "__name__", ""))
+    return None

@@ -1,0 +1,175 @@
+"""Padding safety: row-mixing ops inside graphable regions run eagerly (with a reason) or fail on request;
+token-wise ops stay graphed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import ppcompile
+from ppcompile.passes import manager
+from ppcompile.passes.check_padding_safety import PaddingSafetyError
+from ppcompile.records import BreakKind
+
+H = 8
+CAPTURE = [8, 16]
+NON_BUCKET_COUNTS = (5, 11)  # padded to 8 and 16
+
+Mixer = Callable[[torch.Tensor], torch.Tensor]
+
+# name -> (row-mixing function, an op name the reason must mention)
+ROW_MIXING: dict[str, tuple[Mixer, str]] = {
+    "mean over tokens": (lambda h: h - h.mean(0, keepdim=True), "mean"),
+    "sum over tokens": (lambda h: h + h.sum(dim=0), "sum"),
+    "cumsum along tokens": (lambda h: h.cumsum(0), "cumsum"),
+    "sort along tokens": (lambda h: torch.sort(h, dim=0).values, "sort"),
+    "topk along tokens": (lambda h: h + torch.topk(h, 1, dim=0).values, "topk"),
+    "softmax over tokens": (lambda h: torch.softmax(h, dim=0), "softmax"),
+    "plain non-causal attention": (lambda h: torch.softmax(h @ h.t(), dim=-1) @ h, "softmax"),
+    "matmul contracting tokens": (lambda h: h @ (h.t() @ h), "matmul"),
+    "last token": (lambda h: h - h[-1], "getitem"),
+    "gather other tokens": (lambda h: h[torch.arange(h.shape[0]).flip(0)], "getitem"),
+    "roll along tokens": (lambda h: torch.roll(h, 1, 0), "roll"),
+    "view folding tokens": (lambda h: h.reshape(-1).cumsum(0).view(h.shape[0], -1), "reshape"),
+}
+
+
+def _rms(h: torch.Tensor) -> torch.Tensor:
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+TOKEN_WISE: dict[str, Mixer] = {
+    "rms norm over features": _rms,
+    "softmax over features": lambda h: torch.softmax(h, dim=-1),
+    "topk over features": lambda h: h + torch.topk(h, 2, dim=-1).values.sum(-1, keepdim=True),
+    "gather along features": lambda h: h
+    + torch.gather(h, 1, torch.topk(h, 2, dim=-1).indices).sum(-1, keepdim=True),
+    "heads reshape and transpose": lambda h: h.view(h.shape[0], 2, H // 2).transpose(0, 1).contiguous()
+    .transpose(0, 1).reshape(h.shape[0], H),
+    "cat and chunk along features": lambda h: torch.cat(h.chunk(2, dim=-1)[::-1], dim=-1),
+    "layer norm": lambda h: torch.nn.functional.layer_norm(h, (H,)),
+    "slice features": lambda h: torch.cat([h[:, : H // 2], h[..., H // 2 :]], dim=-1),
+    "unsqueeze and sum over new dim": lambda h: h.unsqueeze(1).expand(-1, 3, -1).sum(1),
+}
+
+
+class Stage(torch.nn.Module):
+    def __init__(self, mixer: Mixer) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(H, H)
+        self.out = torch.nn.Linear(H, H)
+        self.mixer = mixer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mixer(self.inp(x))))
+
+
+def _compile(mixer: Mixer, **options: object) -> tuple[Stage, Callable[..., torch.Tensor]]:
+    torch._dynamo.reset()
+    stage = Stage(mixer).eval()
+    opts = {"capture_sizes": CAPTURE, **options}
+    return stage, torch.compile(stage, backend="pp_breakable", dynamic=True, fullgraph=True, options=opts)
+
+
+@pytest.mark.parametrize("name", sorted(ROW_MIXING))
+def test_row_mixing_op_runs_eagerly_with_reason(name: str) -> None:
+    mixer, op = ROW_MIXING[name]
+    stage, compiled = _compile(mixer)
+    with torch.no_grad():
+        for n in NON_BUCKET_COUNTS:
+            x = torch.randn(n, H)
+            with ppcompile.counters.expect(replays=1):
+                got = compiled(x)
+            torch.testing.assert_close(got, stage(x))
+    runtime = ppcompile.stage_runtimes()[-1]
+    unsafe = [r for r in runtime.break_reasons if r.kind is BreakKind.UNSAFE_OP]
+    assert unsafe, runtime.describe()
+    assert any(op in str(r) for r in unsafe), runtime.describe()
+    assert all(r.stack_trace for r in unsafe)
+
+
+@pytest.mark.parametrize("name", ["mean over tokens", "last token", "plain non-causal attention"])
+def test_on_unsafe_error_names_op_and_line(name: str) -> None:
+    mixer, op = ROW_MIXING[name]
+    _, compiled = _compile(mixer, on_unsafe="error")
+    with torch.no_grad(), pytest.raises(Exception) as info:
+        compiled(torch.randn(5, H))
+    err = getattr(info.value, "inner_exception", info.value)  # Dynamo wraps backend errors
+    assert isinstance(err, PaddingSafetyError)
+    assert op in str(err) and "test_padding_safety.py" in str(err)
+
+
+def test_without_the_check_padding_leaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check has teeth: skipping it makes a mean over tokens read padded rows."""
+    passes = tuple(p for p in manager.PASSES if p.__name__ != "check_padding_safety")
+    monkeypatch.setattr(manager, "PASSES", passes)
+    stage, compiled = _compile(ROW_MIXING["mean over tokens"][0])
+    with torch.no_grad():
+        x = torch.randn(5, H)
+        assert not torch.allclose(compiled(x), stage(x), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(TOKEN_WISE))
+def test_token_wise_ops_stay_graphed(name: str) -> None:
+    stage, compiled = _compile(TOKEN_WISE[name])
+    with torch.no_grad():
+        for n in NON_BUCKET_COUNTS:
+            x = torch.randn(n, H)
+            torch.testing.assert_close(compiled(x), stage(x))
+    runtime = ppcompile.stage_runtimes()[-1]
+    assert [s.kind for s in runtime.segments] == ["graph"], runtime.describe()
+
+
+def test_registered_token_local_op_stays_graphed() -> None:
+    @torch.library.custom_op("pptest_pad::scale_rows", mutates_args=())
+    def scale_rows(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @scale_rows.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    _, compiled = _compile(lambda h: torch.ops.pptest_pad.scale_rows(h))
+    with torch.no_grad():
+        compiled(torch.randn(5, H))
+    kinds = [r.kind for r in ppcompile.stage_runtimes()[-1].break_reasons]
+    assert kinds == [BreakKind.UNSAFE_OP]  # unknown custom op: unsafe by default
+
+    _, compiled = _compile(lambda h: torch.ops.pptest_pad.scale_rows(h),
+                           token_local_ops=["pptest_pad::scale_rows"])
+    with torch.no_grad():
+        compiled(torch.randn(5, H))
+    assert ppcompile.stage_runtimes()[-1].break_reasons == []
+
+
+@pytest.mark.parametrize("name", ["small-moe", "hidden-only", "topk"])
+def test_reference_stage_breaks_only_at_attention(name: str) -> None:
+    """No needless breaks. Only the token dims are marked dynamic: with ``dynamic=True`` the top-k
+    proxy's width would be a second symbol, and what reads it would (rightly) run eagerly."""
+    from ppcompile.models import (
+        REFERENCE_CONFIGS,
+        make_batch,
+        make_forward_context,
+        make_stage,
+        set_forward_context,
+    )
+
+    cfg = REFERENCE_CONFIGS[name]
+    for rank in range(2):
+        torch._dynamo.reset()
+        stage = make_stage(cfg, rank, 2)
+        compiled = torch.compile(stage, backend="pp_breakable", options={"capture_sizes": CAPTURE})
+        ids, pos, proxies = make_batch(cfg, [3, 2], rank, 2)
+        for t in (ids, pos, *(proxies or {}).values()):
+            if t is not None:
+                torch._dynamo.mark_dynamic(t, 0)
+        layers = range(stage.start_layer, stage.end_layer)
+        with torch.no_grad(), set_forward_context(make_forward_context([3, 2], cfg, layers)):
+            compiled(ids, pos, proxies)
+        runtime = ppcompile.stage_runtimes()[-1]
+        assert [r.kind for r in runtime.break_reasons] == [BreakKind.ATTENTION] * len(layers), (
+            runtime.describe()
+        )
