@@ -208,8 +208,13 @@ class StageRuntime:
     # ----------------------------------------------------------------------------------- capture
     def _state_for(self, args: tuple[Any, ...]) -> _InstanceState:
         # Graphs read module state in place and bake constant scalars (a norm's eps) at capture: key
-        # the captured graphs by the identity of the one and the value of the other.
-        key = (*map(id, [args[i] for i in self._state_slots]), *[args[i].item() for i in self._scalar_slots])
+        # the captured graphs by the identity of the one and the value of the other, and by inference
+        # mode, whose tensors (static buffers, graph outputs) cannot be written outside it.
+        key = (
+            torch.is_inference_mode_enabled(),
+            *map(id, [args[i] for i in self._state_slots]),
+            *[args[i].item() for i in self._scalar_slots],
+        )
         state = self._states.get(key)
         if state is None:
             state = self._capture(args, key)
@@ -229,7 +234,7 @@ class StageRuntime:
         graph_steps = [st for st in program.steps if st.segment.is_graph]
         start = time.perf_counter()
         try:
-            with torch.inference_mode(False), torch.no_grad():
+            with torch.no_grad():
                 for b in sorted(self.plan.sizes, reverse=True):
                     env[self.token_symbol] = b
                     table: list[Any] = [None] * program.num_slots

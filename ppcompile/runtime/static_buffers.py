@@ -17,9 +17,14 @@ Env = Mapping[sympy.Symbol, int]
 
 
 def allocate(spec: StaticBuffer) -> torch.Tensor:
-    """A zero-filled buffer of ``spec``'s largest-bucket shape (an ordinary tensor, even when called
-    under ``inference_mode``, so later calls in or out of inference mode can write it)."""
-    with torch.inference_mode(False), torch.no_grad():
+    """A zero-filled buffer of ``spec``'s largest-bucket shape.
+
+    Made in the caller's inference mode: under ``torch.inference_mode()`` it is an inference tensor,
+    like everything eager creates there, so what the graph path returns looks to Dynamo exactly like
+    what the eager path returns (a mismatch would recompile the next stage). The runtime keeps one set
+    of buffers per mode.
+    """
+    with torch.no_grad():
         return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
 
 

@@ -278,8 +278,14 @@ def test_inference_mode_calls_use_graphs_and_match() -> None:
         for i, n in enumerate([5, 16, 3, 9, 17]):
             _check(c, m, n, seed=i)
     assert counters.replays == 4 and counters.eager_runs == 1
-    state = _state(_runtime())
-    assert not any(b.is_inference() for b in (*state.input_buffers.values(), *state.bridge_buffers.values()))
+    runtime = _runtime()
+    (state,) = runtime._states.values()
+    # Buffers follow the caller's mode, so graph outputs are inference tensors like eager's.
+    assert all(b.is_inference() for b in (*state.input_buffers.values(), *state.bridge_buffers.values()))
+    with torch.no_grad():  # outside inference mode: plain buffers (Dynamo may also recompile)
+        _check(c, m, 9, seed=7)
+    states = [s for rt in ppcompile.stage_runtimes() for s in rt._states.values() if s is not state]
+    assert len(states) == 1 and not any(b.is_inference() for b in states[0].input_buffers.values())
 
 
 class TransposedStage(nn.Module):
