@@ -1,0 +1,53 @@
+"""``python -m ppcompile demo``: runs end to end in a subprocess; its stream and token parsing."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+
+import pytest
+
+from ppcompile.config import PPBreakableConfig
+from ppcompile.demo import default_token_stream, parse_tokens, split_tokens
+from ppcompile.runtime.buckets import make_bucket_plan
+
+SMALL = ["--config", "tiny", "--pp", "2", "--capture-sizes", "4,8,16", "--tokens", "1,8,9,3+5+7,20"]
+
+
+def _demo(*extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "ppcompile", "demo", *SMALL, *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_demo_runs_and_shows_both_paths() -> None:
+    proc = _demo()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "graph x2" in out and "eager x2" in out, out
+    assert "stage_graph" in out and "OK: 0 of 5" in out, out
+
+
+def test_demo_fails_beyond_tolerance() -> None:
+    proc = _demo("--atol=-1")  # every difference (>= 0) exceeds a negative tolerance
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "MISMATCH" in proc.stdout
+
+
+def test_parse_tokens() -> None:
+    assert parse_tokens("1, 17,8+9+20") == [1, 17, [8, 9, 20]]
+    for bad in ("x", "0", "3+-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_tokens(bad)
+
+
+def test_default_stream_spans_one_token_to_above_cap() -> None:
+    plan = make_bucket_plan(PPBreakableConfig(max_capture_tokens=2048))
+    rng = random.Random(0)
+    totals = [x if isinstance(x, int) else sum(x) for x in default_token_stream(plan, rng)]
+    assert totals[0] == 1 and totals[-3:] == [2047, 2048, 2055]
+    assert 16 in totals and 17 in totals
+    assert sum(isinstance(x, list) and len(x) > 1 for x in default_token_stream(plan, rng)) >= 3
+    lens = split_tokens(100, 4, rng)
+    assert len(lens) == 4 and sum(lens) == 100 and min(lens) >= 1
