@@ -16,8 +16,10 @@ the same whichever runs the graphs:
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -64,6 +66,10 @@ class GraphExecutor(abc.ABC):
     @abc.abstractmethod
     def replay(self, key: Key, args: Sequence[Any]) -> tuple[Any, ...]:
         """Replays ``key``; returns its outputs."""
+
+    def capture_session(self) -> contextlib.AbstractContextManager[None]:
+        """Wraps a run of captures (every bucket of a stage)."""
+        return contextlib.nullcontext()
 
     def num_captured(self) -> int:
         return len(self._captured)
@@ -133,6 +139,20 @@ class CudaGraphExecutor(GraphExecutor):
         self.num_warmup = num_warmup
         self.pool = torch.cuda.graph_pool_handle()
         self._stream: Any = None
+
+    @contextlib.contextmanager
+    def capture_session(self) -> Iterator[None]:
+        """Collects garbage once, then keeps the collector off for the whole run of captures: with a
+        graph per (segment, bucket), collections in between would dominate capture time (vLLM and
+        SGLang freeze the collector during capture too)."""
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if was_enabled:
+                gc.enable()
 
     def capture(self, key: Key, fn: SegmentFn, args: Sequence[Any]) -> tuple[Any, ...]:
         if self._stream is None:

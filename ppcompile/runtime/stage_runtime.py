@@ -172,9 +172,14 @@ class StageRuntime:
         for slot, buf in state.input_buffers.items():
             copy_in(buf, args[slot], token_dims.get(slot, ()), env_n, env_b)
         live: list[Any] = list(args) + [None] * (program.num_slots - len(args))
+        # A bound graph reads what it captured: its arguments matter only to the debug address check.
+        resolve_graph_args = not executor.binds_inputs or self.config.debug
         for step in program.steps:
             if step.segment.is_graph:
-                sargs = [static[r.slot] if r.size is None else r.size(env_b) for r in step.args]
+                sargs = (
+                    [static[r.slot] if r.size is None else r.size(env_b) for r in step.args]
+                    if resolve_graph_args else ()
+                )
                 outs: Sequence[Any] = executor.replay((step.index, b), sargs)
                 if not executor.binds_inputs:
                     for s, o in zip(step.out_slots, outs):
@@ -234,7 +239,7 @@ class StageRuntime:
         graph_steps = [st for st in program.steps if st.segment.is_graph]
         start = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), state.executor.capture_session():
                 for b in sorted(self.plan.sizes, reverse=True):
                     env[self.token_symbol] = b
                     table: list[Any] = [None] * program.num_slots

@@ -338,3 +338,16 @@ def test_runtime_replays_graphs_and_matches_eager(cuda: FakeCuda, cuda_stage: An
         assert got.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
     assert counters.replays == 9 and counters.eager_runs == 1
     assert len(cuda.graphs) == 6  # captured once
+
+
+def test_capture_session_keeps_the_collector_off(cuda: FakeCuda) -> None:
+    import gc
+
+    ex = CudaGraphExecutor()
+    assert gc.isenabled()
+    with ex.capture_session():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), ex.capture_session():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
