@@ -1,23 +1,30 @@
-"""``python -m ppcompile <command>``: the command-line interface (``demo``)."""
+"""``python -m ppcompile <command>``: the command-line interface.
+
+Each command lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``; the
+table below lists them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Sequence
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("ppcompile.demo", "PP pipeline of a reference model: eager vs pp_breakable, side by side"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parses ``argv`` and runs the chosen subcommand; returns its exit code."""
-    from ppcompile import demo
-
+    """Parses ``argv`` and runs the chosen command; returns its exit code."""
     parser = argparse.ArgumentParser(prog="python -m ppcompile", description="ppcompile tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo_parser = sub.add_parser(
-        "demo", help="PP pipeline of a reference model, eager vs pp_breakable, token counts 1..above cap",
-        description=demo.__doc__,
-    )
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.run_demo)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=help_text, description=module.__doc__)
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

@@ -23,7 +23,7 @@ from ppcompile.models import REFERENCE_CONFIGS, make_batch
 from ppcompile.pipeline import InProcessPipeline
 from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
 
-__all__ = ["add_arguments", "default_token_stream", "parse_tokens", "run_demo"]
+__all__ = ["add_arguments", "default_token_stream", "parse_tokens", "run", "run_demo"]
 
 _MAX_SEQ_LEN = 256  # long batches are split into sequences of at most this many tokens (attention is O(n^2))
 _ATOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 5e-2, torch.bfloat16: 1e-1}
@@ -168,6 +168,9 @@ def run_demo(args: argparse.Namespace) -> int:
     verdict = "FAIL" if failures else "OK"
     print(f"{verdict}: {failures} of {len(stream)} forwards differ by more than {atol:g}")
     return 1 if failures else 0
+
+
+run = run_demo  # the CLI's entry point for this command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
