@@ -39,7 +39,8 @@ class Step:
     fn: SegmentFn
     args: tuple[Ref, ...]
     out_slots: tuple[int, ...]  # -1 for an output nobody reads as a tensor
-    live_views: tuple[int, ...] = ()  # graph outputs that breaks or callers read at live size
+    live_views: tuple[int, ...] = ()  # graph tensor outputs that breaks or callers read at live size
+    live_values: tuple[int, ...] = ()  # graph non-tensor outputs (numbers) that breaks or callers read
     bridges: tuple[int, ...] = ()  # break outputs that graphs read through a static bridge
 
 
@@ -120,9 +121,10 @@ def build_program(
     finished = []
     for st in steps:
         if st.segment.is_graph:
-            live = tuple(s for s in st.out_slots if s in live_reads and isinstance(
-                example_value(node_of[s]), torch.Tensor))
-            finished.append(dataclasses.replace(st, live_views=live))
+            read = [s for s in st.out_slots if s in live_reads]
+            tensors = tuple(s for s in read if isinstance(example_value(node_of[s]), torch.Tensor))
+            numbers = tuple(s for s in read if s not in tensors)
+            finished.append(dataclasses.replace(st, live_views=tensors, live_values=numbers))
         else:
             bridges = tuple(s for s in st.out_slots if s in graph_reads)
             finished.append(dataclasses.replace(st, bridges=bridges))

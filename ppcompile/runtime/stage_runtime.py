@@ -187,6 +187,8 @@ class StageRuntime:
                             static[s] = o
                 for s in step.live_views:
                     live[s] = narrow_to(static[s], token_dims.get(s, ()), env_n)
+                for s in step.live_values:
+                    live[s] = static[s]
             else:
                 outs = step.fn(*[live[r.slot] if r.size is None else r.size(env_n) for r in step.args])
                 for s, o in zip(step.out_slots, outs):
