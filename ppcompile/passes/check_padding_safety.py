@@ -3,7 +3,8 @@
 A graph replays ``b`` rows where only ``n`` are live. That is correct only if no graphed op mixes rows
 along the token dim: a mean or sum over tokens, a cumsum, a sort or top-k along tokens, attention written
 out in plain ops, a matmul contracting over tokens, an index or gather that addresses other tokens, a
-``view`` that folds tokens into another dim. For every node that touches a token dim this pass applies
+``view`` that folds tokens into another dim, an in-place write into a graph input (a KV cache written
+by slot indices would receive padded rows). For every node that touches a token dim this pass applies
 the op's rule (``token_locality.RULES``); a node that fails, or whose op has no rule and is not
 registered token-local, gets ``meta["pp_unsafe"]`` with the reason. ``split_at_breaks`` then makes it a
 break that runs eagerly on live rows, or, with ``on_unsafe="error"``, compilation fails naming the op,
@@ -31,7 +32,7 @@ import torch
 
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.op_matching import OpMatcher, always_split_ops, resolve_op
-from ppcompile.passes.token_locality import is_registered_token_local, rule_for
+from ppcompile.passes.token_locality import is_registered_token_local, rule_for, written_input
 
 __all__ = ["PaddingSafetyError", "check_padding_safety"]
 
@@ -76,8 +77,12 @@ def check_padding_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
             continue
         if node.op == "call_function" and is_registered_token_local(node.target, extra_safe):
             continue
+        written = written_input(node)
         rule = rule_for(node)
-        if rule is None:
+        if written is not None:
+            reason = (f"{_op_label(node)} writes in place into graph input {written.name}: a replay would "
+                      "write padded rows too (or write the static copy instead of the caller's tensor)")
+        elif rule is None:
             reason = f"{_op_label(node)} is not known to be token-local (register it if it is)"
         else:
             problem = rule(node)

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["RULES", "is_registered_token_local", "register_token_local_op", "rule_for"]
+__all__ = [
+    "RULES",
+    "is_registered_token_local",
+    "op_name",
+    "register_token_local_op",
+    "rule_for",
+    "written_input",
+]
 
 Rule = Callable[[torch.fx.Node], "str | None"]
 
@@ -263,6 +270,43 @@ RULES.update({"linear": linear, "matmul": matmul, "mm": matmul, "bmm": matmul, "
 # stack adds a new dim and keeps each input's token dims: token-local like a factory of its inputs.
 
 _TORCH_MODULES = ("torch", "_operator", "operator", "builtins", "math")
+
+# Ops whose output aliases their first argument (a view of it, or the tensor itself).
+_VIEW_OPS = frozenset((
+    "getitem", "view", "reshape", "narrow", "select", "transpose", "permute", "t", "unsqueeze", "squeeze",
+    "expand", "expand_as", "as_strided", "diagonal", "unflatten", "flatten", "view_as", "reshape_as",
+    "movedim", "swapaxes", "swapdims", "split", "chunk", "tensor_split", "unbind", "contiguous", "detach",
+))
+_IN_PLACE_FUNCTIONS = frozenset(("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "ipow",
+                                 "iand", "ior", "ixor", "imod"))
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """A node's op by name: the method name, or the function's ``__name__``."""
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def written_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The graph input that an in-place op writes into (through any chain of views), or None.
+
+    A graph replays its in-place writes for all ``b`` rows: into a module buffer (a KV cache written
+    by token-major slot indices, a ``cache[:n]`` view) that writes padded rows too, and into a lifted
+    live input it writes the static copy instead of the caller's tensor.
+    """
+    name = op_name(node)
+    in_place = (node.op == "call_method" and name.endswith("_") and not name.endswith("__")) or (
+        node.op == "call_function" and name in _IN_PLACE_FUNCTIONS
+    )
+    if not in_place or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    base = node.args[0]
+    while base.op in ("call_function", "call_method") and op_name(base) in _VIEW_OPS and base.args:
+        if not isinstance(base.args[0], torch.fx.Node):
+            return None
+        base = base.args[0]
+    return base if base.op == "placeholder" else None
 
 
 def rule_for(node: torch.fx.Node) -> Rule | None:

@@ -173,3 +173,44 @@ def test_reference_stage_breaks_only_at_attention(name: str) -> None:
         assert [r.kind for r in runtime.break_reasons] == [BreakKind.ATTENTION] * len(layers), (
             runtime.describe()
         )
+
+
+class CacheWriter(torch.nn.Module):
+    """Writes each token's key into a module buffer by slot index, the way a KV cache is filled."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(H, H)
+        self.register_buffer("cache", torch.zeros(64, H))
+        self.how = how
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        k = self.lin(x)
+        if self.how == "index_copy_":
+            self.cache.index_copy_(0, slots, k)
+        elif self.how == "setitem":
+            self.cache[slots] = k
+        elif self.how == "slice copy_":
+            self.cache[: x.shape[0]].copy_(k)
+        else:
+            x += 1  # mutates the caller's input
+        return self.lin(k + x)
+
+
+@pytest.mark.parametrize("how", ["index_copy_", "setitem", "slice copy_", "input +="])
+def test_in_place_writes_into_inputs_run_eagerly(how: str) -> None:
+    """A replay writes all b rows: padded rows must not reach a KV-cache-like buffer or the input."""
+    torch._dynamo.reset()
+    eager, graphed = CacheWriter(how), CacheWriter(how)
+    options = {"capture_sizes": CAPTURE}
+    compiled = torch.compile(graphed, backend="pp_breakable", dynamic=True, options=options)
+    with torch.no_grad():
+        for n in NON_BUCKET_COUNTS:
+            x, slots = torch.randn(n, H), torch.randperm(64)[:n] + 0
+            x_eager, x_graphed = x.clone(), x.clone()
+            torch.testing.assert_close(compiled(x_graphed, slots), eager(x_eager, slots))
+            torch.testing.assert_close(graphed.cache, eager.cache)  # no padded rows written
+            torch.testing.assert_close(x_graphed, x_eager)  # the caller's tensor mutated as in eager
+    kinds = [r.kind for r in ppcompile.stage_runtimes()[-1].break_reasons]
+    assert BreakKind.UNSAFE_OP in kinds
