@@ -152,7 +152,8 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         if node.op == "call_function" and node.target is operator.getitem and node.args[0] in partition:
             parent = partition[node.args[0]]
-            if parent in reasons:
+            # Only tuple unpacking: indexing a tensor (``t[idx]``) may read nodes of later segments.
+            if parent in reasons and not isinstance(example_value(node.args[0]), torch.Tensor):
                 partition[node] = parent
                 continue
         reason = _break_reason(node, ctx, attention, user, host)

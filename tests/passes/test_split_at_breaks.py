@@ -224,3 +224,22 @@ def test_graph_without_breaks_is_one_graph_segment() -> None:
     assert call.meta["pp_token_dims"] == ((0, ctx.token_symbol),)  # copied from the segment's output
     with torch.no_grad():
         _assert_same(split(*ex), (m(x),))
+
+
+class _IndexBreakOutput(torch.nn.Module):
+    """Indexes a break's tensor output with an index computed later: not tuple unpacking."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = x.cumsum(0)  # padding-unsafe: a break
+        idx = torch.arange(x.shape[0]).flip(0)
+        return c[idx] * 2
+
+
+def test_indexing_a_break_output_is_not_pinned_to_the_break() -> None:
+    torch._dynamo.reset()
+    m = _IndexBreakOutput()
+    compiled = torch.compile(m, backend="pp_breakable", dynamic=True, options={"capture_sizes": [4, 8]})
+    with torch.inference_mode():
+        for n in (6, 7):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(compiled(x), m(x))
