@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs ppcompile with its test tools.
+# Creates .venv (once) and installs ppcompile with its test tools and the optional Hugging Face
+# extra (transformers), so the tests of ppcompile.models.hf run too.
 # On a machine without an NVIDIA GPU it pins the CPU build of torch (constraints/cpu.txt);
 # an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -12,4 +13,4 @@ pip_args=(-q --disable-pip-version-check)
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   pip_args+=(-c constraints/cpu.txt)
 fi
-.venv/bin/python -m pip install "${pip_args[@]}" -e ".[test]"
+.venv/bin/python -m pip install "${pip_args[@]}" -e ".[test,hf]"

@@ -1,0 +1,227 @@
+"""Hugging Face ``transformers`` decoders as ``pp_breakable`` PP stages (skipped without transformers)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here downloads; make sure nothing tries
+transformers = pytest.importorskip("transformers")
+
+import ppcompile  # noqa: E402
+from ppcompile.models.hf import TINY_FAMILIES, HFStage, make_hf_stages, tiny_causal_lm  # noqa: E402
+from ppcompile.models.layers import PPMissingLayer  # noqa: E402
+from ppcompile.records import BreakKind  # noqa: E402
+from ppcompile.runtime.stage_runtime import StageRuntime  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = [4, 8, 16]
+OPTIONS = {"capture_sizes": SIZES}
+MOE = ("qwen2_moe", "mixtral", "qwen3_moe")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def new_runtimes() -> Callable[[], list[StageRuntime]]:
+    """The stage runtimes built since the test started (earlier tests' may still be alive)."""
+    old = ppcompile.stage_runtimes()
+    return lambda: [rt for rt in ppcompile.stage_runtimes() if not any(rt is o for o in old)]
+
+
+def _model(family: str, **overrides: object) -> torch.nn.Module:
+    if getattr(transformers, TINY_FAMILIES[family][0], None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {TINY_FAMILIES[family][0]}")
+    return tiny_causal_lm(family, num_hidden_layers=2, **overrides)
+
+
+def _compile(model: torch.nn.Module, varlen: bool = False) -> list[torch.nn.Module]:
+    return [
+        torch.compile(s, backend="pp_breakable", dynamic=True, options=OPTIONS)
+        for s in make_hf_stages(model, 2, varlen=varlen)
+    ]
+
+
+def _pipeline(stages: list[torch.nn.Module], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    proxies = stages[0](ids, positions)
+    return stages[1](None, positions, pp_proxy_tensors=proxies)  # type: ignore[no-any-return]
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
+
+
+def _reasons(runtimes: list[StageRuntime], kind: BreakKind) -> str:
+    return " | ".join(str(r) for rt in runtimes for r in rt.break_reasons if r.kind is kind)
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_stages_match_eager_and_follow_the_bucket_plan(
+    family: str, new_runtimes: Callable[[], list[StageRuntime]]
+) -> None:
+    model = _model(family)
+    stages = _compile(model)
+    with torch.inference_mode():
+        # The first call compiles both stages with a symbolic token count; 8 is a bucket.
+        with ppcompile.counters.expect(replays=2, eager_runs=0, replays_by_bucket={8: 2}):
+            logits = _pipeline(stages, _ids(8), torch.arange(8))
+        torch.testing.assert_close(logits, model(_ids(8)[None]).logits[0], rtol=1e-5, atol=1e-5)
+        plan = ppcompile.stage_runtimes()[-1].plan
+        assert [plan.bucket(n) for n in (3, 8, 9, 20)] == [4, 8, 16, None]
+        # A bucket + 1, padding into the smallest bucket, above the cap; then 1 token, which Dynamo
+        # specialises: a new graph with concrete sizes, run eagerly.
+        for n in (9, 3, 20, 1):
+            ids, positions = _ids(n), torch.arange(n)
+            bucket = plan.bucket(n) if n > 1 else None
+            expected = (
+                {"replays": 2, "eager_runs": 0, "replays_by_bucket": {bucket: 2}}
+                if bucket is not None else {"replays": 0, "eager_runs": 2}
+            )
+            with ppcompile.counters.expect(**expected):
+                logits = _pipeline(stages, ids, positions)
+            assert logits.shape == (n, model.config.vocab_size)
+            ref = model(ids[None]).logits[0]
+            torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5, msg=f"{family}, {n} tokens")
+    graphed = [rt for rt in new_runtimes() if rt.eager_reason is None]
+    assert len(graphed) == 2
+    for rt in graphed:
+        attention = [r for r in rt.break_reasons if r.kind is BreakKind.ATTENTION]
+        assert len(attention) == 1 and attention[0].op == "scaled_dot_product_attention"  # 1 layer/stage
+        # Dense models trace clean: attention is the only break. MoE routing is reported, not fatal.
+        kinds = {BreakKind.ATTENTION, BreakKind.UNSAFE_OP} if family in MOE else {BreakKind.ATTENTION}
+        assert {r.kind for r in rt.break_reasons} == kinds
+        assert "scaled_dot_product_attention" in rt.describe()
+
+
+def test_batched_mm_experts_break_only_at_token_folds(new_runtimes: Callable[[], list[StageRuntime]]) -> None:
+    model = _model("qwen3_moe", experts_implementation="batched_mm")
+    stages = _compile(model)
+    with torch.inference_mode():
+        for n in (8, 5):
+            ids = _ids(n)
+            with ppcompile.counters.expect(replays=2):
+                logits = _pipeline(stages, ids, torch.arange(n))
+            torch.testing.assert_close(logits, model(ids[None]).logits[0], rtol=1e-5, atol=1e-5)
+    unsafe = _reasons(new_runtimes(), BreakKind.UNSAFE_OP).split(" | ")
+    assert unsafe and all(re.search(r"repeat_interleave|reshape|view", r) for r in unsafe), unsafe
+
+
+def test_sliding_window_mask_is_graphed_and_bridged() -> None:
+    model = _model("mistral", sliding_window=4)
+    stages = _compile(model)
+    with torch.inference_mode():
+        for n in (9, 3, 8):  # past the window: a [T, T] mask bridged to SDPA; below it: is_causal
+            ids = _ids(n)
+            with ppcompile.counters.expect(replays=2):
+                logits = _pipeline(stages, ids, torch.arange(n))
+            torch.testing.assert_close(logits, model(ids[None]).logits[0], rtol=1e-5, atol=1e-5)
+        # The window matters: the same weights without it give other logits at 9 tokens.
+        full = _model("mistral")
+        assert not torch.allclose(full(_ids(9)[None]).logits[0], model(_ids(9)[None]).logits[0])
+
+
+def test_varlen_packs_sequences_through_hf_packed_mask(
+    new_runtimes: Callable[[], list[StageRuntime]],
+) -> None:
+    model = _model("llama")
+    stages = _compile(model, varlen=True)
+    with torch.inference_mode():
+        for lens in ([3, 5], [2, 2, 2, 3], [8]):
+            ids = _ids(sum(lens))
+            positions = torch.cat([torch.arange(n) for n in lens])
+            ref = torch.cat([model(part[None]).logits[0] for part in ids.split(lens)])
+            with ppcompile.counters.expect(replays=2):
+                logits = _pipeline(stages, ids, positions)
+            torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5, msg=str(lens))
+    # HF's packed-sequence detection (a diff and a cumsum over positions) runs eagerly, with reasons.
+    unsafe = _reasons(new_runtimes(), BreakKind.UNSAFE_OP)
+    assert "cumsum" in unsafe and "diff" in unsafe
+
+
+def test_eager_attention_is_reported_not_fatal(new_runtimes: Callable[[], list[StageRuntime]]) -> None:
+    model = _model("qwen3", attn_implementation="eager")
+    stages = _compile(model)
+    with torch.inference_mode():
+        for n in (8, 6):
+            ids = _ids(n)
+            with ppcompile.counters.expect(replays=2):
+                logits = _pipeline(stages, ids, torch.arange(n))
+            torch.testing.assert_close(logits, model(ids[None]).logits[0], rtol=1e-5, atol=1e-5)
+    unsafe = _reasons(new_runtimes(), BreakKind.UNSAFE_OP)
+    assert "softmax" in unsafe and "matmul" in unsafe
+    assert not _reasons(new_runtimes(), BreakKind.ATTENTION)
+
+
+def test_stage_layout_keeps_global_layer_numbering() -> None:
+    model = tiny_causal_lm("llama", num_hidden_layers=5)
+    stages = make_hf_stages(model, 3)
+    assert [(s.start_layer, s.end_layer) for s in stages] == [(0, 1), (1, 3), (3, 5)]
+    middle = stages[1]
+    assert middle.embed_tokens is None and middle.norm is None and middle.lm_head is None
+    assert middle.layers[2] is model.model.layers[2]
+    assert isinstance(middle.layers[0], PPMissingLayer) and isinstance(middle.layers[4], PPMissingLayer)
+    keys = set().union(*(s.state_dict() for s in stages))
+    hf_keys = {k.removeprefix("model.") for k in model.state_dict() if k != "lm_head.weight"}
+    assert keys - {"lm_head.weight"} == hf_keys
+    custom = HFStage(model, 0, 2, layer_range=(0, 4))
+    assert (custom.start_layer, custom.end_layer) == (0, 4)
+
+
+def test_eager_stages_compose_to_the_model() -> None:
+    model = tiny_causal_lm("qwen2", num_hidden_layers=3)
+    ids = _ids(7)
+    with torch.inference_mode():
+        out: Any = None
+        for i, stage in enumerate(make_hf_stages(model, 3)):
+            out = stage(ids if i == 0 else None, torch.arange(7), None if i == 0 else out)
+        assert isinstance(out, torch.Tensor)
+        torch.testing.assert_close(out, model(ids[None]).logits[0])
+
+
+def test_bad_input_errors_name_the_input() -> None:
+    model = tiny_causal_lm("llama", num_hidden_layers=2)
+    first, last = make_hf_stages(model, 2)
+    with pytest.raises(ValueError, match="needs input_ids"):
+        first(None, torch.arange(3))
+    with pytest.raises(ValueError, match="'hidden_states'"):
+        last(None, torch.arange(3), {"residual": torch.zeros(3, 64)})
+    with pytest.raises(ValueError, match="pp_rank"):
+        HFStage(model, 2, 2)
+    with pytest.raises(ValueError, match="layer_range"):
+        HFStage(model, 0, 1, layer_range=(1, 5))
+    with pytest.raises(TypeError, match="ForCausalLM"):
+        HFStage(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown family"):
+        tiny_causal_lm("gpt2")
+
+
+def test_import_error_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "ppcompile.models.hf")
+    with pytest.raises(ImportError, match=r"ppcompile\[hf\]"):
+        importlib.import_module("ppcompile.models.hf")
+
+
+def test_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "docs" / "hf.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "tiny_causal_lm" in b)
+    exec(compile(example, "docs/hf.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert " 16 tokens: 2 of 2 stages replayed graphs" in out
+    assert " 40 tokens: 0 of 2 stages replayed graphs" in out
