@@ -94,13 +94,21 @@ class GraphExecutor(abc.ABC):
                 )
 
 
+def _writable(value: Any) -> Any:
+    """An output replays can copy into: a tensor whose elements share memory (``expand``'s stride 0)
+    cannot be a copy destination, so it is captured as a dense copy (same values, own memory)."""
+    if isinstance(value, torch.Tensor) and torch._debug_has_internal_overlap(value) == 1:
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
 class EmulatedGraphExecutor(GraphExecutor):
     """CPU emulation of CUDA-graph semantics (see module docstring)."""
 
     name = "emulate"
 
     def capture(self, key: Key, fn: SegmentFn, args: Sequence[Any]) -> tuple[Any, ...]:
-        outputs = tuple(fn(*args))
+        outputs = tuple(_writable(o) for o in fn(*args))
         self._captured[key] = _Captured(fn, tuple(args), outputs)
         return outputs
 

@@ -172,3 +172,18 @@ def test_release_drops_captured_graphs() -> None:
     assert ex.num_captured() == 0
     with pytest.raises(KeyError):
         ex.replay((0, 8), ())
+
+
+def test_emulated_replay_of_an_expanded_output() -> None:
+    """A segment returning a stride-0 view (``expand``) still replays into its captured output."""
+    ex = EmulatedGraphExecutor()
+    x = torch.arange(4.0)
+
+    def seg(t: torch.Tensor) -> tuple[torch.Tensor]:
+        return (t[:, None].expand(-1, 3),)
+
+    (out,) = ex.capture((0, 4), seg, (x,))
+    x.add_(10)
+    (again,) = ex.replay((0, 4), ())
+    assert again is out
+    torch.testing.assert_close(out, (torch.arange(4.0) + 10)[:, None].expand(-1, 3))
