@@ -4,26 +4,39 @@ Runs a stream of varlen batches whose total token counts go from 1 token to abov
 two :class:`~ppcompile.pipeline.InProcessPipeline` instances with the same weights, and prints one row per
 forward: the path each stage took (graph or eager), the bucket, the largest logits difference and both
 wall times. Exits non-zero when a difference exceeds the tolerance.
+
+With ``--distributed`` every stage runs in its own process over torch.distributed (gloo on CPU, NCCL on
+GPU): under ``torchrun --nproc-per-node N -m ppcompile demo --distributed`` this process is one rank;
+without torchrun, ``--pp N`` ranks are spawned. The last rank compares its logits with an in-process eager
+reference and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import io
 import math
 import random
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ppcompile.backends.pp_breakable import stage_runtimes
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
-from ppcompile.models import REFERENCE_CONFIGS, make_batch
-from ppcompile.pipeline import InProcessPipeline
+from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, make_batch
+from ppcompile.pipeline import DistributedStage, InProcessPipeline, init_pipeline_group, spawn_ranks
+from ppcompile.pipeline.distributed import DEFAULT_TIMEOUT_S
 from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
 
-__all__ = ["add_arguments", "default_token_stream", "parse_tokens", "run", "run_demo"]
+__all__ = ["add_arguments", "default_token_stream", "parse_tokens", "run", "run_demo", "run_distributed"]
+
+_DEFAULT_PP = 4
 
 _MAX_SEQ_LEN = 256  # long batches are split into sequences of at most this many tokens (attention is O(n^2))
 _ATOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 5e-2, torch.bfloat16: 1e-1}
@@ -33,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's command-line options."""
     parser.add_argument("--config", default="small-moe", choices=sorted(REFERENCE_CONFIGS),
                         help="reference model config (default: small-moe)")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline-parallel stages (default: 4)")
+    parser.add_argument("--pp", type=int, default=None,
+                        help="pipeline-parallel stages (default: 4; under torchrun: the world size)")
     parser.add_argument("--max-capture-tokens", type=int, default=None,
                         help="cap of the default bucket ladder (default: the backend's, 8192)")
     parser.add_argument("--capture-sizes", type=_int_list, default=None,
@@ -46,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads (default 1: the reference models are tiny)")
     parser.add_argument("--atol", type=float, default=None,
                         help="tolerance on logits (default: 1e-4 for float32)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="one process per stage over torch.distributed: this process is one rank under "
+                             "torchrun, otherwise --pp ranks are spawned")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help="torch.distributed backend (default: nccl under torchrun with CUDA, else gloo)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="process-group timeout in seconds: a stalled send or recv fails after it "
+                             f"(default: {DEFAULT_TIMEOUT_S:g})")
 
 
 def _int_list(text: str) -> list[int]:
@@ -96,41 +118,68 @@ def default_token_stream(plan: BucketPlan, rng: random.Random, mixes: int = 3) -
     return [x for x in stream if isinstance(x, list) or x >= 1]
 
 
-def _paths(pipe: InProcessPipeline) -> tuple[str, str]:
-    paths = [t.path if t else "?" for t in pipe.traces]
-    buckets = sorted({t.bucket for t in pipe.traces if t and t.bucket is not None})
+def _path_column(paths: Sequence[str], buckets: Sequence[int | None]) -> tuple[str, str]:
+    """``("graph x4", "16")`` or ``("graph/eager/...", "8,16")``: the path and bucket columns of a row."""
     path = f"{paths[0]} x{len(paths)}" if len(set(paths)) == 1 else "/".join(paths)
-    return path, ",".join(map(str, buckets)) or "-"
+    return path, ",".join(map(str, sorted({b for b in buckets if b is not None}))) or "-"
+
+
+def _paths(pipe: InProcessPipeline) -> tuple[str, str]:
+    return _path_column([t.path if t else "?" for t in pipe.traces],
+                        [t.bucket if t else None for t in pipe.traces])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What every demo process derives from the arguments alone (the same on every rank)."""
+
+    cfg: ModelConfig
+    options: dict[str, object]
+    plan: BucketPlan
+    batches: list[list[int]]  # sequence lengths of each forward
+    atol: float
+    warm: int
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> _Setup:
+        cfg = REFERENCE_CONFIGS[args.config]
+        options: dict[str, object] = {}
+        if args.capture_sizes:
+            options["capture_sizes"] = args.capture_sizes
+        elif args.max_capture_tokens is not None:
+            options["max_capture_tokens"] = args.max_capture_tokens
+        plan = make_bucket_plan(PPBreakableConfig.from_options(options))
+        rng = random.Random(args.seed)
+        stream = args.tokens if args.tokens is not None else default_token_stream(plan, rng)
+        atol = args.atol if args.atol is not None else _ATOL.get(cfg.dtype, 1e-4)
+        batches = [_as_seq_lens(item, rng) for item in stream]
+        return cls(cfg, options, plan, batches, atol, min(16, plan.cap))
+
+    def banner(self, args: argparse.Namespace, where: str, warm_s: float) -> None:
+        cfg, plan = self.cfg, self.plan
+        print(f"ppcompile demo: config {args.config} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+              f"{cfg.dtype}), {where}, {args.threads} thread(s), options {self.options or '{}'}")
+        print(f"buckets: {len(plan.sizes)} up to cap {plan.cap}, max_padding_factor "
+              f"{plan.max_padding_factor:g}; compile + capture of every bucket in {warm_s:.1f} s "
+              f"(warm-up forward of {self.warm} tokens)")
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Runs the demo; returns the process exit code (1 when a difference exceeds the tolerance)."""
-    cfg = REFERENCE_CONFIGS[args.config]
+    if args.distributed:
+        return run_distributed(args)
+    setup = _Setup.of(args)
+    cfg, options, atol = setup.cfg, setup.options, setup.atol
+    pp = args.pp or _DEFAULT_PP
     torch.set_num_threads(args.threads)
-    options: dict[str, object] = {}
-    if args.capture_sizes:
-        options["capture_sizes"] = args.capture_sizes
-    elif args.max_capture_tokens is not None:
-        options["max_capture_tokens"] = args.max_capture_tokens
-    plan = make_bucket_plan(PPBreakableConfig.from_options(options))
-    rng = random.Random(args.seed)
-    stream = args.tokens if args.tokens is not None else default_token_stream(plan, rng)
-    atol = args.atol if args.atol is not None else _ATOL.get(cfg.dtype, 1e-4)
 
-    eager = InProcessPipeline(cfg, args.pp, compiled=False)
-    graphed = InProcessPipeline(cfg, args.pp, compiled=True, options=options)
+    eager = InProcessPipeline(cfg, pp, compiled=False)
+    graphed = InProcessPipeline(cfg, pp, compiled=True, options=options)
     t0 = time.perf_counter()
-    warm = min(16, plan.cap)
-    ids, pos, _ = make_batch(cfg, [warm], 0, args.pp, seed=args.seed)
+    ids, pos, _ = make_batch(cfg, [setup.warm], 0, pp, seed=args.seed)
     with torch.inference_mode():
-        graphed(ids, pos, [warm])
-    warm_s = time.perf_counter() - t0
-
-    print(f"ppcompile demo: config {args.config} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"{cfg.dtype}), PP{args.pp} in one process, "
-          f"{args.threads} thread(s), options {options or '{}'}")
-    print(f"buckets: {len(plan.sizes)} up to cap {plan.cap}, max_padding_factor {plan.max_padding_factor:g}; "
-          f"compile + capture of every bucket in {warm_s:.1f} s (warm-up forward of {warm} tokens)")
+        graphed(ids, pos, [setup.warm])
+    setup.banner(args, f"PP{pp} in one process", time.perf_counter() - t0)
     if not any(rt.graph_mode == "cuda" for rt in stage_runtimes()):
         print("note: no GPU, graphs are emulated on CPU: pp_breakable times show overhead, not a speed-up")
     for rt in stage_runtimes():
@@ -141,9 +190,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(header)
     print("-" * len(header))
     failures = 0
-    for i, item in enumerate(stream):
-        lens = _as_seq_lens(item, rng)
-        ids, pos, _ = make_batch(cfg, lens, 0, args.pp, seed=args.seed + i)
+    for i, lens in enumerate(setup.batches):
+        ids, pos, _ = make_batch(cfg, lens, 0, pp, seed=args.seed + i)
         with torch.inference_mode():
             t = time.perf_counter()
             want = eager(ids, pos, lens)
@@ -166,7 +214,106 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"counters: replays {c.replays}, eager_runs {c.eager_runs}, captures {c.captures}, "
           f"backend_compiles {c.backend_compiles}")
     verdict = "FAIL" if failures else "OK"
-    print(f"{verdict}: {failures} of {len(stream)} forwards differ by more than {atol:g}")
+    print(f"{verdict}: {failures} of {len(setup.batches)} forwards differ by more than {atol:g}")
+    return 1 if failures else 0
+
+
+def run_distributed(args: argparse.Namespace) -> int:
+    """``--distributed``: one rank under torchrun, else spawns ``--pp`` ranks; returns the exit code."""
+    if dist.is_torchelastic_launched():
+        init_pipeline_group(backend=args.backend, timeout_s=args.timeout)
+        try:
+            code, report = _demo_rank(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()
+        print(report, end="", flush=True)
+        return code
+    results = spawn_ranks(_demo_rank, args.pp or _DEFAULT_PP, args=(args,), backend=args.backend or "gloo",
+                          threads=args.threads, timeout_s=None, pg_timeout_s=args.timeout)
+    print(results[-1][1], end="", flush=True)
+    return max(code for code, _ in results)
+
+
+def _demo_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[int, str]:
+    """One rank of the distributed demo: ``(exit code, report)``; only the last rank has a report."""
+    if args.pp is not None and args.pp != world:
+        raise ValueError(f"--pp {args.pp} does not match the {world} ranks of the process group; "
+                         "drop --pp under torchrun or make it equal to --nproc-per-node")
+    torch.set_num_threads(args.threads)
+    setup = _Setup.of(args)
+    cfg = setup.cfg
+    stage = DistributedStage(cfg, options=setup.options)
+    t0 = time.perf_counter()
+    with torch.inference_mode():  # every rank compiles and captures at once, before the first batch
+        # proxies made here are inference tensors, like the received ones: no recompile at the first batch
+        ids, pos, proxies = make_batch(cfg, [setup.warm], rank, world, seed=args.seed, device=stage.device)
+        stage.run_local(pos, [setup.warm], input_ids=ids, pp_proxy_tensors=proxies)
+    warm_s = time.perf_counter() - t0
+    dist.barrier()
+    rows: list[tuple[str, int | None, float, int]] = []
+    logits: list[torch.Tensor] = []
+    for i, lens in enumerate(setup.batches):
+        compiles = counters.backend_compiles
+        with torch.inference_mode():
+            ids, pos, _ = make_batch(cfg, lens, 0, world, seed=args.seed + i, device=stage.device)
+            out = stage(pos, lens, input_ids=ids)
+        trace = stage.trace
+        assert trace is not None
+        rows.append((trace.path, trace.bucket, 1e3 * trace.seconds, counters.backend_compiles - compiles))
+        if out is not None:
+            logits.append(out.to("cpu", torch.float32, copy=True))
+    stage.wait_sends()
+    described = [rt.describe() for rt in stage_runtimes() if not rt.eager_reason]
+    mine = (rows, warm_s, described, stage.device.type)
+    gathered: list[Any] | None = [None] * world if stage.is_last else None
+    dist.gather_object(mine, gathered, dst=world - 1)
+    if gathered is None:
+        return 0, ""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = _report(args, setup, world, gathered, logits)
+    return code, text.getvalue()
+
+
+def _report(args: argparse.Namespace, setup: _Setup, world: int, gathered: list[Any],
+            logits: list[torch.Tensor]) -> int:
+    """The last rank's table: per-stage paths, difference from the in-process eager reference."""
+    cfg = setup.cfg
+    backend = dist.get_backend()
+    setup.banner(args, f"PP{world} over torch.distributed ({backend}, {world} processes)",
+                 max(g[1] for g in gathered))
+    if gathered[-1][3] != "cuda":
+        print("note: no GPU, graphs are emulated on CPU: pp_breakable times show overhead, not a speed-up")
+    for rank, g in enumerate(gathered):
+        for text in g[2]:
+            print(f"[rank {rank}] {text}")
+    eager = InProcessPipeline(cfg, world, compiled=False)
+    header = (f"{'#':>3} {'tokens':>7} {'seqs':>4}  {'path (per stage)':<26} {'bucket':>6} "
+              f"{'max|diff|':>10} {'eager ms':>9} {'stage ms':>9}  note")
+    print(header)
+    print("-" * len(header))
+    failures = 0
+    for i, lens in enumerate(setup.batches):
+        ids, pos, _ = make_batch(cfg, lens, 0, world, seed=args.seed + i)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            want = eager(ids, pos, lens)
+            eager_ms = 1e3 * (time.perf_counter() - t)
+        diff = (want.float() - logits[i]).abs().max().item()
+        rows = [g[0][i] for g in gathered]
+        path, bucket = _path_column([r[0] for r in rows], [r[1] for r in rows])
+        notes = []
+        compiles = sum(r[3] for r in rows)
+        if compiles:
+            notes.append(f"+{compiles} Dynamo compile(s)")
+        if diff > setup.atol:
+            notes.append(f"MISMATCH > {setup.atol:g}")
+            failures += 1
+        print(f"{i:>3} {sum(lens):>7} {len(lens):>4}  {path:<26} {bucket:>6} {diff:>10.2e} "
+              f"{eager_ms:>9.1f} {max(r[2] for r in rows):>9.1f}  {'; '.join(notes)}")
+    print("eager ms: the whole pipeline in one process; stage ms: the slowest rank's stage forward")
+    verdict = "FAIL" if failures else "OK"
+    print(f"{verdict}: {failures} of {len(setup.batches)} forwards differ by more than {setup.atol:g}")
     return 1 if failures else 0
 
 

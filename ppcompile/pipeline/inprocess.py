@@ -62,6 +62,33 @@ class StageBinding:
             embeds_name=next((n for n in _EMBED_NAMES if n in params), None),
         )
 
+    def kwargs(
+        self,
+        rank: int,
+        positions: torch.Tensor,
+        *,
+        input_ids: torch.Tensor | None = None,
+        pp_proxy_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> dict[str, Any]:
+        """The keyword arguments of one call of stage ``rank``: those its forward names.
+
+        Dropping a non-None ``pp_proxy_tensors`` or ``inputs_embeds`` is an error (the stage would
+        silently ignore them); ``input_ids`` is dropped quietly (non-first stages do not need it).
+        """
+        kwargs: dict[str, Any] = {"positions": positions}
+        if self.input_ids:
+            kwargs["input_ids"] = input_ids
+        if self.pp_proxy_tensors:
+            kwargs["pp_proxy_tensors"] = pp_proxy_tensors
+        elif pp_proxy_tensors is not None:
+            raise TypeError(f"stage {rank}'s forward takes no pp_proxy_tensors, but it was given some")
+        if self.embeds_name is not None:
+            kwargs[self.embeds_name] = inputs_embeds
+        elif inputs_embeds is not None:
+            raise TypeError(f"stage {rank}'s forward takes neither of {_EMBED_NAMES}")
+        return kwargs
+
 
 @dataclasses.dataclass(frozen=True)
 class StageTrace:
@@ -107,23 +134,17 @@ class InProcessPipeline:
         self.stages: list[nn.Module] = list(stages)
         if len(self.stages) != pp_size:
             raise ValueError(f"InProcessPipeline: got {len(self.stages)} stages for pp_size={pp_size}")
-        self.layer_ranges = [self._layer_range(s, r) for r, s in enumerate(self.stages)]
+        self.layer_ranges = [stage_layer_range(cfg, s, r, pp_size) for r, s in enumerate(self.stages)]
         self.bindings = [StageBinding.of(s) for s in self.stages]
         self.modules: list[nn.Module] = self.stages
         if compiled:
-            _raise_recompile_limit(_MIN_RECOMPILE_LIMIT)
+            raise_recompile_limit(_MIN_RECOMPILE_LIMIT)
             opts = dict(options or {})
             self.modules = [
                 torch.compile(s, backend="pp_breakable", dynamic=dynamic, options=opts)  # type: ignore[misc]
                 for s in self.stages
             ]
         self.traces: list[StageTrace | None] = [None] * pp_size
-
-    def _layer_range(self, stage: nn.Module, rank: int) -> range:
-        start, end = getattr(stage, "start_layer", None), getattr(stage, "end_layer", None)
-        if start is None or end is None:
-            start, end = get_pp_indices(self.cfg.num_layers, rank, self.pp_size)
-        return range(int(start), int(end))
 
     def run_stage(
         self,
@@ -140,25 +161,15 @@ class InProcessPipeline:
         Arguments the stage's forward does not name are dropped; dropping a non-None
         ``pp_proxy_tensors`` or ``inputs_embeds`` is an error (the stage would silently ignore them).
         """
-        bind = self.bindings[rank]
-        kwargs: dict[str, Any] = {"positions": positions}
-        if bind.input_ids:
-            kwargs["input_ids"] = input_ids
-        if bind.pp_proxy_tensors:
-            kwargs["pp_proxy_tensors"] = pp_proxy_tensors
-        elif pp_proxy_tensors is not None:
-            raise TypeError(f"stage {rank}'s forward takes no pp_proxy_tensors, but it was given some")
-        if bind.embeds_name is not None:
-            kwargs[bind.embeds_name] = inputs_embeds
-        elif inputs_embeds is not None:
-            raise TypeError(f"stage {rank}'s forward takes neither of {_EMBED_NAMES}")
+        kwargs = self.bindings[rank].kwargs(rank, positions, input_ids=input_ids,
+                                            pp_proxy_tensors=pp_proxy_tensors, inputs_embeds=inputs_embeds)
         ctx = make_forward_context(seq_lens, self.cfg, self.layer_ranges[rank], device=self.device)
         before = counters.snapshot() if self.compiled else None
         start = time.perf_counter()
         with set_forward_context(ctx):
             out = self.modules[rank](**kwargs)
         seconds = time.perf_counter() - start
-        self.traces[rank] = _trace(rank, before, seconds)
+        self.traces[rank] = trace_since(rank, before, seconds)
         return out
 
     def forward(
@@ -205,7 +216,16 @@ def _standalone(proxies: Any) -> Any:
     return proxies
 
 
-def _trace(rank: int, before: dict[str, Any] | None, seconds: float) -> StageTrace:
+def stage_layer_range(cfg: ModelConfig, stage: nn.Module, rank: int, pp_size: int) -> range:
+    """The global layers of ``stage``: its ``start_layer``/``end_layer``, else ``get_pp_indices``."""
+    start, end = getattr(stage, "start_layer", None), getattr(stage, "end_layer", None)
+    if start is None or end is None:
+        start, end = get_pp_indices(cfg.num_layers, rank, pp_size)
+    return range(int(start), int(end))
+
+
+def trace_since(rank: int, before: dict[str, Any] | None, seconds: float) -> StageTrace:
+    """How a stage call was served, from the counters ``before`` it (None: an uncompiled stage)."""
     if before is None:
         return StageTrace(rank, "module", None, seconds)
     after = counters.snapshot()
@@ -216,7 +236,7 @@ def _trace(rank: int, before: dict[str, Any] | None, seconds: float) -> StageTra
     return StageTrace(rank, "eager", None, seconds)
 
 
-def _raise_recompile_limit(limit: int) -> None:
+def raise_recompile_limit(limit: int) -> None:
     """Many stage instances share one forward code object; Dynamo's default limit (8) is too low."""
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):

@@ -1,0 +1,203 @@
+"""``DistributedStage`` over gloo on loopback: 2 and 4 ranks equal the single-process eager reference.
+
+Each test spawns its ranks with ``spawn_ranks`` (forkserver: the ranks fork from one process that imported
+torch once). The workers are module-level so that the ranks can import them by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ppcompile
+from ppcompile.__main__ import main as ppcompile_cli
+from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, PPStage, make_batch, make_stage
+from ppcompile.pipeline import DistributedStage, InProcessPipeline, ProxySpec, RankError, spawn_ranks
+from ppcompile.pipeline.distributed import ProxyField
+
+CFG = REFERENCE_CONFIGS["tiny"]  # 4 layers, hidden 64: hidden_states + residual proxies
+TOPK_CFG = REFERENCE_CONFIGS["topk"].replace(num_layers=4)  # adds an int32 topk_indices proxy
+SLOW_S = 0.1  # the slow receiver sleeps this long before each batch, so its sender would run ahead
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def _stream(seed: int, count: int) -> list[list[int]]:
+    """Fixed head (consecutive graph-served batches per bucket, 1 token, above every cap), random tail."""
+    rng = random.Random(seed)
+    head = [[16], [12, 4], [20], [3, 14], [1], [5], [40], [70]]
+    tail = []
+    for _ in range(count):
+        total = rng.randint(2, 72)
+        cuts = sorted(rng.sample(range(1, total), min(total - 1, rng.randint(0, 2))))
+        tail.append([b - a for a, b in zip([0, *cuts], [*cuts, total])])
+    return head + tail
+
+
+def _reference(cfg: ModelConfig, world: int, stream: list[list[int]]) -> list[torch.Tensor]:
+    eager = InProcessPipeline(cfg, world, compiled=False)
+    out = []
+    with torch.inference_mode():
+        for i, lens in enumerate(stream):
+            ids, pos, _ = make_batch(cfg, lens, 0, world, seed=i)
+            out.append(eager(ids, pos, lens).clone())
+    return out
+
+
+class EmbedsFirstStage(nn.Module):
+    """A first stage whose forward takes ``inputs_embeds`` (no ``input_ids``, no ``pp_proxy_tensors``)."""
+
+    def __init__(self, inner: PPStage) -> None:
+        super().__init__()
+        self.inner = inner
+        self.start_layer, self.end_layer = inner.start_layer, inner.end_layer
+
+    def forward(self, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
+        hidden, residual = inputs_embeds, None
+        for i in range(self.start_layer, self.end_layer):
+            hidden, residual = self.inner.layers[i](positions, hidden, residual)
+        return {"hidden_states": hidden, "residual": residual}
+
+
+def _pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Runs ``job["stream"]`` through this rank; returns its paths and (last rank) cloned logits."""
+    torch._dynamo.reset()
+    ppcompile.counters.reset()
+    cfg: ModelConfig = job["cfg"]
+    stage_module = None
+    if job.get("embeds") and rank == 0:
+        stage_module = EmbedsFirstStage(make_stage(cfg, 0, world))
+    stage = DistributedStage(cfg, options=job["options"][rank], stage=stage_module,
+                             send_mode=job.get("send_mode", "wait"))
+    paths, logits = [], []
+    with torch.inference_mode():
+        for i, lens in enumerate(job["stream"]):
+            if rank == job.get("slow_rank"):
+                time.sleep(SLOW_S)
+            ids, pos, _ = make_batch(cfg, lens, 0, world, seed=i)
+            embeds = stage_module.inner.embed_tokens(ids) if stage_module is not None else None
+            out = stage(pos, lens, input_ids=ids, inputs_embeds=embeds)
+            assert stage.trace is not None
+            paths.append(stage.trace.path)
+            if out is not None:
+                logits.append(out.clone())
+    stage.wait_sends()
+    return {"paths": paths, "logits": logits, "compiles": ppcompile.counters.backend_compiles}
+
+
+def _failing_worker(rank: int, world: int, fail_rank: int, fail_step: int) -> None:
+    stage = DistributedStage(CFG, compiled=False)
+    for i in range(6):
+        if rank == fail_rank and i == fail_step:
+            raise ValueError(f"deliberate failure in rank {rank} at step {i}")
+        ids, pos, _ = make_batch(CFG, [4, 3], 0, world, seed=i)
+        stage(pos, [4, 3], input_ids=ids)
+    stage.wait_sends()
+
+
+def _stalled_worker(rank: int, world: int) -> None:
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=2))
+    stage = DistributedStage(CFG, compiled=False, group=group)
+    if rank == 0:
+        time.sleep(120)  # never sends: rank 1's recv must time out, not hang
+    ids, pos, _ = make_batch(CFG, [5], 0, world)
+    stage(pos, [5], input_ids=ids)
+
+
+def _check_logits(got: list[torch.Tensor], want: list[torch.Tensor], stream: list[list[int]]) -> None:
+    assert len(got) == len(want) == len(stream)
+    for lens, g, w in zip(stream, got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=lambda m, lens=lens: f"seq_lens {lens}: {m}")
+
+
+def test_four_ranks_mixed_paths_and_slow_receiver_match_eager() -> None:
+    """Ranks with different buckets (some replay while others fall back), int32 proxies, a slow rank."""
+    stream = _stream(seed=4, count=5)
+    options = [
+        {"capture_sizes": [4, 8, 16, 32, 64]},
+        {"capture_sizes": [16, 32]},  # small batches fail its padding guard, above 32 it is eager
+        {"max_capture_tokens": 24},
+        {"capture_sizes": [64]},
+    ]
+    job = {"cfg": TOPK_CFG, "stream": stream, "options": options, "slow_rank": 2}
+    results = spawn_ranks(_pipeline_worker, 4, args=(job,), threads=1, timeout_s=120)
+    _check_logits(results[-1]["logits"], _reference(TOPK_CFG, 4, stream), stream)
+    paths = [r["paths"] for r in results]
+    steps = list(zip(*paths))
+    assert any(len(set(step)) == 2 for step in steps), steps  # some ranks replay, others fall back
+    assert all("graph" in p and "eager" in p for p in paths), paths
+    assert steps[4] == ("eager",) * 4  # 1 token: eager everywhere (its padding guard or Dynamo's 1-graph)
+    assert steps[5] == ("graph", "eager", "graph", "eager")  # 5 tokens: buckets 8 | 16 | 8 | 64
+    assert steps[6] == ("graph", "eager", "eager", "graph")  # 40 tokens: buckets 64 | - | - | 64
+    # received proxies are standalone tensors: no recompile beyond the first call and the 1-token graph
+    assert all(r["compiles"] <= 2 for r in results), [r["compiles"] for r in results]
+
+
+def test_two_ranks_embeds_stage_copy_mode_match_eager() -> None:
+    """A first stage bound by signature (``inputs_embeds`` only) and owned-copy sends to a slow rank."""
+    stream = _stream(seed=2, count=2)
+    options = [{"capture_sizes": [8, 16, 32]}, {"capture_sizes": [16, 32, 64]}]
+    job = {"cfg": CFG, "stream": stream, "options": options, "slow_rank": 1, "embeds": True,
+           "send_mode": "copy"}
+    results = spawn_ranks(_pipeline_worker, 2, args=(job,), threads=1, timeout_s=120)
+    _check_logits(results[-1]["logits"], _reference(CFG, 2, stream), stream)
+    assert results[0]["logits"] == []
+    assert all("graph" in r["paths"] for r in results)
+
+
+def test_failing_rank_fails_the_run_with_its_error() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError, match="deliberate failure in rank 1 at step 2") as info:
+        spawn_ranks(_failing_worker, 3, args=(1, 2), threads=1, timeout_s=60)
+    assert info.value.rank == 1
+    assert "_failing_worker" in str(info.value)  # the rank's traceback comes along
+    assert time.monotonic() - start < 60  # the neighbours blocked on rank 1 were terminated, not awaited
+
+
+def test_process_group_timeout_turns_a_stalled_peer_into_an_error() -> None:
+    with pytest.raises(RankError) as info:
+        spawn_ranks(_stalled_worker, 2, threads=1, timeout_s=60)
+    assert info.value.rank == 1
+    text = str(info.value).lower()
+    assert "timed out" in text and "recv" in text, info.value  # gloo: "Timed out waiting 2000ms for recv"
+
+
+def test_demo_distributed_spawns_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m ppcompile demo --pp 2 --distributed`` (in this process; the ranks are spawned)."""
+    argv = ["demo", "--distributed", "--config", "tiny", "--pp", "2", "--capture-sizes", "4,8,16",
+            "--tokens", "1,8,9,3+5+7,20"]
+    assert ppcompile_cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "over torch.distributed (gloo, 2 processes)" in out, out
+    assert "graph x2" in out and "eager x2" in out, out
+    assert "OK: 0 of 5" in out, out
+    # warm-up compiles every rank before the stream; then only the 1-token batch gets a graph of its own
+    assert out.count("Dynamo compile") == 1, out
+
+
+def test_proxy_spec_round_trip_and_checks() -> None:
+    proxies = {"hidden_states": torch.zeros(5, 8), "topk_indices": torch.zeros(5, 2, dtype=torch.int32),
+               "bank": torch.zeros(5, 3, 4, dtype=torch.bfloat16)}
+    spec = ProxySpec.of(proxies, 5, rank=0)
+    assert spec.fields[1] == ProxyField("topk_indices", torch.int32, (2,))
+    assert ProxySpec.decode(spec.encode(torch.device("cpu")).tolist()) == spec
+    with pytest.raises(ValueError, match=r"'hidden_states'.*5 rows.*shape \(4, 8\)"):
+        ProxySpec.of({"hidden_states": torch.zeros(4, 8)}, 5, rank=1)
+    with pytest.raises(TypeError, match="stage 2 returned Tensor"):
+        ProxySpec.of(torch.zeros(5, 8), 5, rank=2)
+    with pytest.raises(ValueError, match="no proxy tensors"):
+        ProxySpec.of({}, 5, rank=0)
+
+
+def test_stage_needs_a_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("this test process already has a process group")
+    with pytest.raises(RuntimeError, match="init_pipeline_group"):
+        DistributedStage(CFG)
