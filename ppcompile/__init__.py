@@ -28,9 +28,17 @@ BACKEND_NAME = "pp_breakable"
 
 
 def _configure_logging() -> None:
+    """``PPCOMPILE_LOG_LEVEL`` sets the level of the ``ppcompile`` logger and, when the application
+    configured no handler for it, attaches one to stderr so the asked-for messages show."""
     level = envs.log_level()
-    if level:
-        logging.getLogger("ppcompile").setLevel(level.upper())
+    if not level:
+        return
+    logger = logging.getLogger("ppcompile")
+    logger.setLevel(level.upper())
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
 
 
 def _register_backend() -> None:
