@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["dump_dir", "log_level"]
+__all__ = ["dump_dir", "log_level", "progress"]
 
 
 def dump_dir() -> str | None:
@@ -15,3 +15,14 @@ def dump_dir() -> str | None:
 def log_level() -> str | None:
     """``PPCOMPILE_LOG_LEVEL``: level name for the ``ppcompile`` logger (``DEBUG``, ``INFO``, ...)."""
     return os.environ.get("PPCOMPILE_LOG_LEVEL") or None
+
+
+def progress() -> str:
+    """``PPCOMPILE_PROGRESS``: ``auto`` (default: a progress bar when stderr is a terminal, else one log
+    line per stage), ``on`` (always the bar) or ``off`` (never the bar)."""
+    value = (os.environ.get("PPCOMPILE_PROGRESS") or "auto").strip().lower()
+    aliases = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+    value = aliases.get(value, value)
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"PPCOMPILE_PROGRESS: got {value!r}; expected auto, on or off")
+    return value

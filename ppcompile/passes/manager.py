@@ -6,12 +6,13 @@ The order is the tuple ``PASSES`` below, one comment per entry saying why it sit
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import torch
 
+from ppcompile.debug.dumps import reset_stage_dir, stage_dir, write_graph
+from ppcompile.debug.progress import Progress
 from ppcompile.passes.align_global_layers import align_global_layers
 from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.context import PassContext, PassResult
@@ -49,25 +50,26 @@ class PassError(RuntimeError):
 
 
 def _dump(gm: torch.fx.GraphModule, ctx: PassContext, index: int, name: str) -> None:
-    assert ctx.config.dump_dir is not None
-    folder = os.path.join(ctx.config.dump_dir, ctx.graph_name)
-    os.makedirs(folder, exist_ok=True)
-    code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    with open(os.path.join(folder, f"{index:02d}.{name}.py"), "w") as f:
-        f.write(f"# ppcompile: graph after pass {name!r} of {ctx.graph_name}\nimport torch\n\n{code}\n")
+    """``NN.<pass>.py`` under the stage's dump folder (when dumping) and a ``TORCH_TRACE`` artifact."""
+    what = "graph Dynamo handed to the backend" if index == 0 else f"graph after pass {name!r}"
+    write_graph(ctx.config.dump_dir, ctx.graph_name, f"{index:02d}.{name}.py", gm, what)
 
 
 def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     """Runs ``PASSES`` in order and returns the final (split) graph module."""
     if ctx.config.dump_dir is not None:
-        _dump(gm, ctx, 0, "dynamo_graph")
+        reset_stage_dir(stage_dir(ctx.config.dump_dir, ctx.graph_name))
+    _dump(gm, ctx, 0, "dynamo_graph")
+    progress = Progress(f"pp_breakable compile {ctx.graph_name}", len(PASSES), "passes")
     for index, p in enumerate(PASSES, start=1):
         start = time.perf_counter()
         try:
             result = p(gm, ctx)
         except ValueError:
+            progress.abort()
             raise
         except Exception as e:
+            progress.abort()
             raise PassError(
                 f"pp_breakable: pass {p.__name__!r} failed on {ctx.graph_name}: {type(e).__name__}: {e}"
                 + (f" (input graph dumped under {ctx.config.dump_dir})" if ctx.config.dump_dir else "")
@@ -76,6 +78,10 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModu
         log.debug("%s: pass %s took %.1f ms (modified=%s)", ctx.graph_name, p.__name__,
                   1e3 * ctx.pass_times[p.__name__], result.modified)
         gm = result.graph_module
-        if result.modified and ctx.config.dump_dir is not None:
+        if result.modified:
             _dump(gm, ctx, index, p.__name__)
+        progress.advance(note=p.__name__)
+    slowest = max(ctx.pass_times, key=ctx.pass_times.__getitem__, default="-")
+    progress.finish(f"{len(PASSES)} passes in {progress.elapsed_s:.2f} s (slowest {slowest}: "
+                    f"{1e3 * ctx.pass_times.get(slowest, 0.0):.1f} ms), {len(ctx.segments)} segments")
     return gm

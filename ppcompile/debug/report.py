@@ -1,0 +1,357 @@
+"""The stage report: what a compiled stage is made of, what it captures, and what that costs.
+
+:func:`build_report` turns a :class:`~ppcompile.runtime.stage_runtime.StageRuntime` into a JSON-ready
+dict (schema in ``docs/debugging.md``); :func:`publish_report` writes it as ``report.json`` and
+``report.html`` under the stage's dump folder (when dumping) and emits it as a ``TORCH_TRACE`` artifact.
+The backend publishes once at compile time and again after every capture run (capture is lazy: it
+happens at the first call that takes the graph path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+
+from ppcompile.debug.capture import capture_records
+from ppcompile.debug.dumps import emit_artifact, stage_dir, write_graph, write_text
+from ppcompile.symbolic import SizeFn, example_value, size_expr
+
+if TYPE_CHECKING:
+    from ppcompile.passes.context import PassContext
+    from ppcompile.runtime.stage_runtime import StageRuntime
+
+__all__ = ["SCHEMA", "build_report", "load_reports", "on_stage_compiled", "publish_report"]
+
+SCHEMA = "ppcompile.stage_report/1"
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------ compile-time facts
+class _Size:
+    """A traced tensor's byte size as a function of the bucket (token symbol) and traced hints."""
+
+    def __init__(self, value: torch.Tensor, token_symbol: sympy.Symbol | None) -> None:
+        self.itemsize = value.dtype.itemsize
+        self.dims = [SizeFn(size_expr(s)) for s in value.shape]
+        self.hints: dict[sympy.Symbol, int] = {}
+        for s in value.shape:
+            if isinstance(s, torch.SymInt):
+                env = getattr(s.node, "shape_env", None)
+                vals = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", None) or {}
+                for sym in size_expr(s).free_symbols:
+                    if sym != token_symbol:
+                        self.hints[sym] = int(vals.get(sym, 1))
+        self.token_symbol = token_symbol
+
+    def nbytes(self, bucket: int) -> int:
+        env = dict(self.hints)
+        if self.token_symbol is not None:
+            env[self.token_symbol] = bucket
+        return math.prod(d(env) for d in self.dims) * self.itemsize
+
+
+@dataclasses.dataclass
+class _SegmentMemory:
+    """A graph segment's outputs (they live as long as its graphs) and its allocations in order."""
+
+    outputs: list[_Size]
+    events: list[tuple[int, _Size]]  # (+1 allocated | -1 freed, size), in execution order
+
+    def output_bytes(self, bucket: int) -> int:
+        return sum(s.nbytes(bucket) for s in self.outputs)
+
+    def transient_bytes(self, bucket: int) -> int:
+        """Peak bytes of the segment's own intermediates at ``bucket``, beyond its outputs."""
+        live = peak = 0
+        for sign, size in self.events:
+            live += sign * size.nbytes(bucket)
+            peak = max(peak, live)
+        return max(0, peak - self.output_bytes(bucket))
+
+
+def _segment_memory(submod: torch.fx.GraphModule, token_symbol: sympy.Symbol | None) -> _SegmentMemory:
+    """Allocations of a segment in execution order; a value is freed after the last use of it or of
+    any view of it (a view allocates nothing)."""
+    nodes = list(submod.graph.nodes)
+    root: dict[torch.fx.Node, torch.fx.Node] = {}  # view -> the node that owns its memory
+    owned: dict[torch.fx.Node, _Size] = {}
+    for n in nodes:
+        value = example_value(n)
+        if n.op not in ("call_function", "call_method", "call_module") or not isinstance(value, torch.Tensor):
+            continue
+        if value._is_view():
+            src = next((a for a in n.all_input_nodes if a in owned or a in root), None)
+            if src is not None:
+                root[n] = root.get(src, src)
+        else:
+            owned[n] = _Size(value, token_symbol)
+    (out_node,) = [n for n in nodes if n.op == "output"]
+    returned = {root.get(n, n) for n in out_node.all_input_nodes}
+    last_use: dict[torch.fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[root.get(a, a)] = i
+    events: list[tuple[int, _Size]] = []
+    for i, n in enumerate(nodes):
+        if n in owned:
+            events.append((1, owned[n]))
+        for a in {root.get(a, a) for a in n.all_input_nodes}:
+            if last_use[a] == i and a in owned and a not in returned:
+                events.append((-1, owned[a]))
+    return _SegmentMemory(outputs=[owned[n] for n in returned if n in owned], events=events)
+
+
+class _StageInfo:
+    """What the report needs beyond what the runtime keeps; segment memory is worked out on first use."""
+
+    def __init__(self, runtime: StageRuntime, split: torch.fx.GraphModule, ctx: PassContext) -> None:
+        self.pass_times = dict(ctx.pass_times)
+        self.compile_id = torch._guards.CompileContext.current_compile_id()
+        self._split: torch.fx.GraphModule | None = split
+        self._graph_segments = [st.segment.name for st in runtime.program.steps if st.segment.is_graph]
+        self._token_symbol = runtime.token_symbol
+        self._memory: dict[str, _SegmentMemory] | None = None
+
+    @property
+    def memory(self) -> dict[str, _SegmentMemory]:
+        if self._memory is None:
+            assert self._split is not None
+            self._memory = {name: _segment_memory(_submodule(self._split, name), self._token_symbol)
+                            for name in self._graph_segments}
+            self._split = None
+        return self._memory
+
+
+_STAGES: weakref.WeakKeyDictionary[Any, _StageInfo] = weakref.WeakKeyDictionary()
+
+
+def _submodule(split: torch.fx.GraphModule, name: str) -> torch.fx.GraphModule:
+    sub = split.get_submodule(name)
+    assert isinstance(sub, torch.fx.GraphModule), f"segment {name} is a {type(sub).__name__}"
+    return sub
+
+
+def on_stage_compiled(runtime: StageRuntime, split: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """Called by the backend once a stage's runtime is built: dumps the split module and each
+    segment's code, and publishes the compile-time report. Never fails the compile: a problem with the
+    debugging output is logged as a warning."""
+    _STAGES[runtime] = _StageInfo(runtime, split, ctx)
+    dump_dir = runtime.config.dump_dir
+    try:
+        write_graph(dump_dir, runtime.name, "split_module.py", split, "final split module")
+        for i, seg in enumerate(runtime.segments):
+            what = "graph segment (replayed per bucket)" if seg.is_graph else f"break segment ({seg.reason})"
+            write_graph(dump_dir, runtime.name, f"segments/{i:02d}.{seg.name}.{seg.kind}.py",
+                        _submodule(split, seg.name), f"{what} {seg.name}")
+        publish_report(runtime)
+    except Exception:  # debugging output is never worth failing a compile for
+        log.warning("%s: could not write the dumps or the report (dump_dir=%r)", runtime.name, dump_dir,
+                    exc_info=True)
+
+
+# ------------------------------------------------------------------------------ the report
+def _rank() -> int | None:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _config(runtime: StageRuntime) -> dict[str, Any]:
+    out = dataclasses.asdict(runtime.config)
+    for key in ("split_ops", "token_local_ops"):
+        out[key] = [op if isinstance(op, str) else getattr(op, "__name__", str(op)) for op in out[key]]
+    if out["capture_sizes"] is not None:
+        out["capture_sizes"] = list(out["capture_sizes"])
+    return out
+
+
+def _padding(runtime: StageRuntime) -> dict[str, Any]:
+    plan = runtime.plan
+    rows = plan.padding_table()
+    graphed = [(n, b) for n, b, _ in rows if b is not None]
+    live = sum(n for n, _ in graphed)
+    padded = sum(b - n for n, b in graphed)
+    worst = max(rows, key=lambda r: r[2])
+    per_bucket = []
+    lo = 1
+    for b in plan.sizes:
+        served = [n for n in range(lo, b + 1) if plan.bucket(n) == b]
+        per_bucket.append({
+            "bucket": b,
+            "serves": [served[0], served[-1]] if served else None,
+            "max_waste": round((b - served[0]) / served[0], 4) if served else None,
+        })
+        lo = b + 1
+    return {
+        "sizes": list(plan.sizes),
+        "cap": plan.cap,
+        "max_padding_factor": plan.max_padding_factor,
+        "table": [[n, b, round(w, 4)] for n, b, w in rows],
+        "per_bucket": per_bucket,
+        "summary": {
+            "mean_waste": round(sum(w for _, b, w in rows if b is not None) / max(1, len(graphed)), 4),
+            "token_weighted_waste": round(padded / live, 4) if live else 0.0,
+            "max_waste": round(worst[2], 4),
+            "max_waste_at": worst[0],
+            "eager_at_or_below_cap": sum(1 for _, b, _ in rows if b is None),
+        },
+    }
+
+
+def _buffers(runtime: StageRuntime) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    program = runtime.program
+    names: dict[int, str] = {}
+    buffers = []
+    for slot, buf in (*program.input_buffers.items(), *program.bridge_buffers.items()):
+        names[slot] = buf.name
+        buffers.append({
+            "name": buf.name,
+            "role": buf.role,
+            "shape": list(buf.shape),
+            "dtype": _dtype(buf.dtype),
+            "device": str(buf.device),
+            "token_dims": list(buf.token_dims),
+            "bytes": buf.nbytes,
+            "read_by": [st.segment.name for st in program.steps
+                        if st.segment.is_graph and any(r.slot == slot for r in st.args)],
+            "written_by": [st.segment.name for st in program.steps if slot in st.bridges],
+        })
+    return buffers, names
+
+
+def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageInfo | None) -> list[Any]:
+    out = []
+    cap = runtime.plan.cap
+    for step in runtime.program.steps:
+        seg = step.segment
+        reason = seg.reason
+        mem = info.memory.get(seg.name) if info is not None and runtime.eager_reason is None else None
+        out.append({
+            "index": step.index,
+            "name": seg.name,
+            "kind": seg.kind,
+            "nodes": seg.num_nodes,
+            "layer_ids": list(seg.layer_ids),
+            "break_reason": None if reason is None else {
+                "kind": reason.kind.value,
+                "op": reason.op,
+                "detail": reason.detail,
+                "stack_trace": reason.stack_trace,
+            },
+            "reads_static": [buffer_names[r.slot] for r in step.args
+                             if seg.is_graph and r.slot in buffer_names],
+            "writes_static": [buffer_names[s] for s in step.bridges if s in buffer_names],
+            "output_bytes_at_cap": mem.output_bytes(cap) if mem else None,
+            "transient_bytes_at_cap": mem.transient_bytes(cap) if mem else None,
+        })
+    return out
+
+
+def _memory(runtime: StageRuntime, buffers: list[dict[str, Any]], info: _StageInfo | None,
+            records: list[Any]) -> dict[str, Any]:
+    static = sum(b["bytes"] for b in buffers)
+    mems = list(info.memory.values()) if info is not None and runtime.eager_reason is None else []
+    sizes = runtime.plan.sizes
+    outputs = sum(m.output_bytes(b) for m in mems for b in sizes)
+    transient = max((m.transient_bytes(runtime.plan.cap) for m in mems), default=0)
+    done = [r for r in records if r.failed is None]
+    measured = [r.measured_bytes for r in done if r.measured_bytes is not None]
+    return {
+        "static_buffer_bytes": static,
+        "graph_output_bytes": outputs,
+        "transient_bytes": transient,
+        "estimated_graph_bytes": static + outputs + transient if mems else None,
+        "captured_output_bytes": sum(r.output_bytes for r in done) if done else None,
+        "measured_graph_bytes": sum(measured) if measured else None,
+        "note": "estimate per captured instance: static buffers at the cap + every bucket's graph outputs "
+                "(they live as long as the graphs) + the largest segment's peak intermediates at the cap; "
+                "measured: CUDA caching-allocator growth over capture (GPU only)",
+    }
+
+
+def build_report(runtime: StageRuntime) -> dict[str, Any]:
+    """The stage report of ``runtime`` as a JSON-ready dict (captures so far included)."""
+    info = _STAGES.get(runtime)
+    records = capture_records(runtime)
+    buffers, names = _buffers(runtime)
+    from ppcompile import __version__
+
+    return {
+        "schema": SCHEMA,
+        "stage_graph": runtime.name,
+        "rank": _rank(),
+        "versions": {"ppcompile": __version__, "torch": torch.__version__},
+        "graph_mode": runtime.graph_mode,
+        "eager_reason": runtime.eager_reason,
+        "token_symbol": None if runtime.token_symbol is None else str(runtime.token_symbol),
+        "layer_ids": list(runtime.layer_ids),
+        "config": _config(runtime),
+        "segments": _segments(runtime, names, info),
+        "static_buffers": buffers,
+        "buckets": _padding(runtime),
+        "captures": {
+            "count": sum(r.graphs for r in records if r.failed is None),
+            "runs": [dataclasses.asdict(r) for r in records],
+            "captured": bool(records),
+        },
+        "memory": _memory(runtime, buffers, info, records),
+        "pass_times_ms": {k: round(1e3 * v, 3) for k, v in (info.pass_times if info else {}).items()},
+        "compile_times_s": {k: round(v, 4) for k, v in getattr(runtime, "compile_times", {}).items()},
+        "segment_compiles": [dataclasses.asdict(r) for r in getattr(runtime, "segment_compiles", [])
+                             if dataclasses.is_dataclass(r) and not isinstance(r, type)],
+    }
+
+
+def publish_report(runtime: StageRuntime) -> str | None:
+    """Writes ``report.json`` and ``report.html`` for ``runtime`` when dumping, and emits the report as a
+    ``TORCH_TRACE`` artifact; returns the stage's dump folder, if any."""
+    cache: list[dict[str, Any]] = []
+
+    def report() -> dict[str, Any]:
+        if not cache:
+            cache.append(build_report(runtime))
+        return cache[0]
+
+    info = _STAGES.get(runtime)
+    emit_artifact("report", lambda: json.dumps(report(), default=str), encoding="json",
+                  compile_id=info.compile_id if info else None)
+    dump_dir = runtime.config.dump_dir
+    if dump_dir is None:
+        return None
+    from ppcompile.debug.html import render_html
+
+    folder = stage_dir(dump_dir, runtime.name)
+    write_text(folder, "report.json", json.dumps(report(), indent=1, default=str) + "\n")
+    write_text(folder, "report.html", render_html(report()))
+    return folder
+
+
+def load_reports(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(file, report)`` for ``path`` (a report.json) or every report.json under ``path``, sorted."""
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isdir(path):
+        files = sorted(os.path.join(d, "report.json") for d, _, fs in os.walk(path) if "report.json" in fs)
+    else:
+        raise FileNotFoundError(f"no such file or folder: {path!r}")
+    out = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"{f}: not a ppcompile stage report (schema {data.get('schema')!r}, "
+                             f"expected {SCHEMA!r})")
+        out.append((f, data))
+    return out

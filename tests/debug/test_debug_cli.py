@@ -1,0 +1,69 @@
+"""``python -m ppcompile dump`` and ``python -m ppcompile report``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from ppcompile.__main__ import main
+from ppcompile.debug.cli_dump import parse_stage
+from ppcompile.debug.table import format_ids, format_table
+
+
+def test_dump_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "dumps"
+    code = main(["dump", "--stage", "1/4", "--model", "tiny", "--out", str(out), "--capture-sizes", "8,16,32",
+                 "--tokens", "12"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "tiny stage 1/4, 12 tokens in 1 sequence(s)" in printed and "path graph, bucket 16" in printed
+    (folder,) = [p for p in out.iterdir() if p.is_dir()]
+    assert {"00.dynamo_graph.py", "split_module.py", "report.json", "report.html"} <= {
+        p.name for p in folder.iterdir()}
+    report = json.loads((folder / "report.json").read_text())
+    assert report["captures"]["count"] == 2 * 3 and report["config"]["capture_sizes"] == [8, 16, 32]
+
+    assert main(["report", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].startswith(f"== {folder.name}")
+    assert "captures: 6 graphs" in table
+    rows = {line.split()[1]: line for line in table.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])}
+    assert "attention: ppcompile.attention (global layer 1)" in rows["submod_1"]
+    bucket_rows = [line.split()[:3] for line in table.splitlines()
+                   if line.strip().startswith(("8 ", "16 ", "32 "))]
+    assert bucket_rows == [["8", "4-8", "100%"], ["16", "9-16", "78%"], ["32", "17-32", "88%"]]
+
+    assert main(["report", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["stage_graph"] == folder.name
+
+
+def test_report_of_a_folder_without_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no report.json under" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_dump_refuses_one_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dump", "--stage", "0/2", "--model", "tiny", "--out", str(tmp_path), "--tokens", "1"]) == 2
+    assert "--tokens must be >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["4/4", "-1/4", "1", "a/b", "0/0"])
+def test_bad_stage_is_rejected(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="--stage"):
+        parse_stage(text)
+
+
+def test_parse_stage() -> None:
+    assert parse_stage("1/4") == (1, 4) and parse_stage("0/1") == (0, 1)
+
+
+def test_format_helpers() -> None:
+    assert format_ids([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and format_ids([]) == "-"
+    text = format_table(["a", "bb", "c"], [[1, "x", ""], [100, "y" * 80, "z" * 80]], right=(0,))
+    lines = text.splitlines()
+    assert lines[0].split() == ["a", "bb", "c"] and lines[2] == "  1  x"
+    assert lines[3] == "100  " + "y" * 53 + "...  " + "z" * 80  # cut to 56 characters, not the last column

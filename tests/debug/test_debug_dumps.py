@@ -1,0 +1,173 @@
+"""Dumps: ordered runnable files per stage graph, the split module and each segment, rank folders, and the
+same text through ``torch._logging.trace_structured``."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import os
+import runpy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from debug_helpers import compile_stage
+
+from ppcompile.passes.manager import PASSES
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def test_stage_dump_layout(tmp_path: Path) -> None:
+    stage = compile_stage({"dump_dir": str(tmp_path)})
+    stage.call(10)
+    rt = stage.runtime
+    folder = tmp_path / rt.name
+    assert [p.name for p in tmp_path.iterdir()] == [rt.name]
+    files = _files(folder)
+    names = [p.__name__ for p in PASSES]
+    passes = [f for f in files if f[:2].isdigit()]
+    assert passes[0] == "00.dynamo_graph.py"
+    for f in passes[1:]:  # NN.<pass>.py, NN its place in PASSES, only for passes that changed the graph
+        index, name, _ = f.split(".")
+        assert names[int(index) - 1] == name
+    assert f"{names.index('split_at_breaks') + 1:02d}.split_at_breaks.py" in passes
+    segments = [f"segments/{i:02d}.{s.name}.{s.kind}.py" for i, s in enumerate(rt.segments)]
+    assert [f for f in files if f.startswith("segments/")] == segments
+    assert {"split_module.py", "report.json", "report.html"} <= set(files)
+    assert len(rt.segments) == 3 and [s.kind for s in rt.segments] == ["graph", "break", "graph"]
+    for f in files:
+        if f.endswith(".py"):
+            text = (folder / f).read_text()
+            compile(text, f, "exec")
+            assert text.startswith("# ppcompile: ") and rt.name in text.splitlines()[0]
+
+
+def test_segment_dump_runs_and_matches_the_segment(tmp_path: Path) -> None:
+    """A graph segment's file runs as a script, and computes what the compiled segment computes."""
+    stage = compile_stage({"dump_dir": str(tmp_path)})
+    stage.call(10)
+    rt = stage.runtime
+    path = tmp_path / rt.name / "segments" / f"02.{rt.segments[2].name}.graph.py"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        runpy.run_path(str(path), run_name="__main__")
+    assert out.getvalue().splitlines()[0].startswith("0 (")  # "index shape dtype" per output
+    ns = runpy.run_path(str(path))
+    (sym,) = inspect.signature(ns["example_inputs"]).parameters  # the token count's symbol
+    inputs = ns["example_inputs"](**{sym: 12})
+    assert any(isinstance(x, torch.Tensor) and x.shape[0] == 12 for x in inputs)
+    want = rt.split_module.get_submodule(rt.segments[2].name)(*inputs)  # type: ignore[attr-defined]
+    got = ns["make_module"]()(*inputs)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_split_module_dump_imports_the_attention_op(tmp_path: Path) -> None:
+    """The split module runs up to the attention break, which needs the engine's forward context."""
+    stage = compile_stage({"dump_dir": str(tmp_path)})
+    stage.call(10)
+    path = tmp_path / stage.runtime.name / "split_module.py"
+    assert "import ppcompile.models.attention  # registers ppcompile::attention" in path.read_text()
+    with pytest.raises(RuntimeError, match="without a forward context"):
+        runpy.run_path(str(path), run_name="__main__")
+
+
+def test_stale_dumps_of_the_same_graph_are_removed(tmp_path: Path) -> None:
+    folder = tmp_path / "stage_graph_0_0"
+    (folder / "segments").mkdir(parents=True)
+    for name in ("07.old_pass.py", "segments/09.submod_9.graph.py", "notes.txt"):
+        (folder / name).write_text("old")
+    stage = compile_stage({"dump_dir": str(tmp_path)})
+    stage.call(10)
+    assert stage.runtime.name == "stage_graph_0_0"
+    files = _files(folder)
+    assert "07.old_pass.py" not in files and "segments/09.submod_9.graph.py" not in files
+    assert "notes.txt" in files  # only what ppcompile writes is removed
+
+
+def test_env_var_sets_the_dump_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPCOMPILE_DUMP_DIR", str(tmp_path))
+    stage = compile_stage({})
+    stage.call(10)
+    assert (tmp_path / stage.runtime.name / "report.json").is_file()
+
+
+def test_no_files_without_dump_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PPCOMPILE_DUMP_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    stage = compile_stage({})
+    stage.call(10)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def _gloo_world_of_one(tmp_path: Path) -> Iterator[None]:
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("_gloo_world_of_one")
+def test_rank_subfolder_under_torch_distributed(tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps"
+    stage = compile_stage({"dump_dir": str(dumps)})
+    stage.call(10)
+    folder = dumps / "rank_0" / stage.runtime.name
+    assert (folder / "00.dynamo_graph.py").is_file() and (folder / "report.json").is_file()
+    assert [p.name for p in dumps.iterdir()] == ["rank_0"]
+
+
+class _Artifacts(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.items: dict[str, Any] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        meta = getattr(record, "metadata", {})
+        if "artifact" in meta and meta["artifact"]["name"].startswith("ppcompile_"):
+            self.items[meta["artifact"]["name"]] = getattr(record, "payload", None)
+
+
+@pytest.fixture
+def artifacts() -> Iterator[_Artifacts]:
+    trace_log = torch._logging._internal.trace_log
+    handler = _Artifacts()
+    trace_log.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        trace_log.removeHandler(handler)
+
+
+def test_trace_structured_artifacts_match_the_files(tmp_path: Path, artifacts: _Artifacts) -> None:
+    stage = compile_stage({"dump_dir": str(tmp_path)})
+    stage.call(10)
+    folder = tmp_path / stage.runtime.name
+    items = artifacts.items
+    for f in _files(folder):
+        if f.endswith(".py"):
+            name = "ppcompile_" + f.removesuffix(".py").replace("/", "_").replace(".", "_")
+            assert items.get(name) == (folder / f).read_text(), name
+    assert "ppcompile_report" in items and '"schema"' in items["ppcompile_report"]
+
+
+def test_trace_structured_without_dump_dir(tmp_path: Path, artifacts: _Artifacts,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PPCOMPILE_DUMP_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    stage = compile_stage({})
+    stage.call(10)
+    assert {"ppcompile_00_dynamo_graph", "ppcompile_split_module", "ppcompile_report"} <= set(artifacts.items)
+    assert os.listdir(tmp_path) == []

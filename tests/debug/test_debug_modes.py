@@ -1,0 +1,80 @@
+"""Debug modes: ``graph_mode="eager"`` (the static-buffer data path without graphs) tells a graph bug from a
+padding/buffer bug; ``debug=True`` checks at every replay that graphs read the tensors they captured."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from debug_helpers import compile_stage, read_report
+
+import ppcompile
+from ppcompile.runtime import executors, stage_runtime
+from ppcompile.runtime.executors import ReplayAddressError
+
+COUNTS = (10, 16, 5)  # a bucket + padding, a bucket exactly, the smallest bucket + padding
+
+
+def _close(got: Any, want: Any) -> bool:
+    return all(torch.allclose(got[k], want[k], atol=1e-5) for k in want)
+
+
+def _verdicts(graph_mode: str) -> list[bool]:
+    """Whether the compiled stage matches the plain module at each token count (graph path each time)."""
+    stage = compile_stage({"graph_mode": graph_mode})
+    out = []
+    for i, n in enumerate(COUNTS):
+        with ppcompile.counters.expect(replays=1, eager_runs=0):
+            got = stage.call(n, seed=i)
+        out.append(_close(got, stage.call(n, seed=i, compiled=False)))
+    return out
+
+
+def test_eager_graph_mode_is_the_static_buffer_path_without_graphs(tmp_path: Path) -> None:
+    stage = compile_stage({"graph_mode": "eager", "dump_dir": str(tmp_path)})
+    for i, n in enumerate(COUNTS):
+        with ppcompile.counters.expect(replays=1, eager_runs=0, replays_by_bucket={16 if n > 8 else 8: 1}):
+            got = stage.call(n, seed=i)
+        assert _close(got, stage.call(n, seed=i, compiled=False))
+    report = read_report(str(tmp_path / stage.runtime.name))
+    assert report["graph_mode"] == "eager" and report["static_buffers"]  # same buffers as a graph mode
+
+
+def test_a_graph_bug_shows_with_graphs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph that replays stale results: wrong under ``emulate``, right under ``eager``."""
+
+    def stale_replay(self: executors.EmulatedGraphExecutor, key: Any, args: Sequence[Any]) -> Any:
+        return self._captured[key].outputs  # "forgets" to run: the outputs of the capture run
+
+    monkeypatch.setattr(executors.EmulatedGraphExecutor, "replay", stale_replay)
+    assert _verdicts("eager") == [True, True, True]
+    assert _verdicts("emulate") == [False, False, False]
+
+
+def test_a_buffer_bug_shows_in_both_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy-in that drops the last live row: wrong with graphs and without."""
+    real = stage_runtime.copy_in
+
+    def lossy_copy_in(buf: torch.Tensor, src: torch.Tensor, *args: Any) -> None:
+        real(buf, src, *args)
+        if src.dim() and src.shape[0] > 1:
+            buf[src.shape[0] - 1].zero_()
+
+    monkeypatch.setattr(stage_runtime, "copy_in", lossy_copy_in)
+    assert _verdicts("eager") == [False, False, False]
+    assert _verdicts("emulate") == [False, False, False]
+
+
+def test_debug_checks_replay_addresses() -> None:
+    stage = compile_stage({"debug": True})
+    stage.call(10)  # captures; the check passes for a correct runtime
+    rt = stage.runtime
+    (state,) = rt._states.values()
+    table = state.tables[16]
+    slot = next(s for s in state.input_buffers)
+    table[slot] = table[slot].clone()  # a runtime bug: the graph is handed a tensor it did not capture
+    with pytest.raises(ReplayAddressError, match="at bucket 16 was captured reading input"):
+        stage.call(10)
