@@ -4,11 +4,16 @@ Per call with ``n`` live tokens:
 
 1. pick the bucket ``b >= n`` (O(1) table); above the cap, beyond the padding guard, with autograd on,
    or for a stage that cannot be graphed, run every segment eagerly on live tensors instead;
-2. copy live inputs into the static input buffers (``[:n]``) and zero their padding rows (``[n:b]``);
+2. check the inputs against the compiled graph (``validation.py``; before anything is written), then copy
+   them into the static input buffers (``[:n]``) and zero their padding rows (``[n:b]``);
 3. walk the segments: a graph segment replays its bucket-``b`` graph; a break segment runs eagerly on
    ``[:n]`` views and its outputs that graphs read are copied into static bridges;
 4. return outputs trimmed to their live size (views into static outputs, valid until the next call,
-   or copies with ``owned_outputs=True``).
+   or copies with ``owned_outputs=True``; with ``debug=True`` copies that expire at the next call,
+   ``stale_outputs.py``).
+
+One call at a time per module instance (a concurrent entry raises ``ConcurrentCallError``); what each
+failure leaves behind is in docs/reliability.md.
 
 Graphs and static buffers belong to the module state they read: one ``_InstanceState`` per set of
 parameter tensors, so two module instances that share one Dynamo graph never share graphs.
@@ -16,10 +21,12 @@ parameter tensors, so two module instances that share one Dynamo graph never sha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sympy
@@ -32,9 +39,11 @@ from ppcompile.records import InputKind
 from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.executors import GraphExecutor, make_executor
 from ppcompile.runtime.program import Program, Ref
+from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import allocate, copy_in, narrow_to
+from ppcompile.runtime.validation import aliased_slots, check_inputs, input_specs, storages_of
 
-__all__ = ["StageRuntime"]
+__all__ = ["ConcurrentCallError", "StageRuntime"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +58,22 @@ class _InstanceState:
     bridge_buffers: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     tables: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
     failed: str | None = None
+    # Held for the duration of a graph-path call: a second concurrent entry raises, never waits.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    owner: int = 0  # thread ident of the call holding ``lock``
+    storages: frozenset[int] | None = None  # static memory, for the aliased-input check
+    tracker: OutputTracker | None = None  # debug: outputs handed out, expired at the next call
+
+
+class ConcurrentCallError(RuntimeError):
+    """A compiled stage instance was entered while a call of it was still running."""
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    """Adds context to an exception in flight without changing its type (a no-op before Python 3.11)."""
+    add = getattr(e, "add_note", None)
+    if add is not None:
+        add(note)
 
 
 class StageRuntime:
@@ -84,6 +109,15 @@ class StageRuntime:
         self._states: dict[tuple[Any, ...], _InstanceState] = {}
         self._owned_slots = frozenset(s for st in program.steps if st.segment.is_graph for s in st.live_views)
         self._warned: set[str] = set()
+        # Reliability (docs/reliability.md): input checks, aliased inputs, debug stale-output tracking.
+        known = {e for _, e in self._symbol_slots} | ({ctx.token_symbol} if ctx.token_symbol else set())
+        self._input_specs = input_specs(ctx.static_inputs, known)
+        self._tensor_slots = tuple(i for i, k in enumerate(ctx.input_kinds) if k is InputKind.TENSOR)
+        self._token_source = self._describe_token_source()
+        self._capture_lock = threading.RLock()
+        self._debug = config.debug
+        self._own_outputs = config.owned_outputs or config.debug
+        self._track_outputs = config.debug and not config.owned_outputs
         self.eager_reason = self._why_never_graphed(ctx)
         if self.eager_reason:
             log.info("%s: every forward runs eagerly: %s", name, self.eager_reason)
@@ -91,7 +125,12 @@ class StageRuntime:
     # ----------------------------------------------------------------------------------- policy
     def _why_never_graphed(self, ctx: PassContext) -> str | None:
         if ctx.is_static:
-            return "Dynamo traced concrete sizes (no dynamic token dim); use dynamic=True or mark_dynamic"
+            return (
+                "Dynamo traced concrete token sizes: it always does for a 1-token batch, for the first "
+                "call with dynamic=None, and when the first token count equals another dim of the inputs "
+                "(duck sizing); mark the token dims with torch._dynamo.mark_dynamic(t, 0) to avoid the "
+                "last two"
+            )
         if not ctx.eligible:
             return ctx.ineligible_reason
         if self.graph_mode == "none":
@@ -122,6 +161,15 @@ class StageRuntime:
             env[self.token_symbol] = tokens
         return env
 
+    def _describe_token_source(self) -> str:
+        if self._token_slot is not None:
+            return f"the size argument {self.token_symbol} (Dynamo reads it from an input's token dim)"
+        if self._token_input is None:
+            return "no input"
+        i, d = self._token_input
+        spec = next((s for s in self._input_specs if s.slot == i), None)
+        return f"dim {d} of input {spec.name if spec else i!r}"
+
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -129,6 +177,11 @@ class StageRuntime:
 
     # ----------------------------------------------------------------------------------- call
     def __call__(self, *args: Any) -> tuple[Any, ...]:
+        if self._debug:
+            return self._call_debug(args)
+        return self._call(args)
+
+    def _call(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if self.eager_reason is not None:
             return self.run_eager(args)
         n = self.num_tokens(args)
@@ -145,23 +198,65 @@ class StageRuntime:
             self._warn_once("failed", "%s: graphs disabled after a failed capture (%s); running eagerly",
                             self.name, state.failed)
             return self.run_eager(args)
-        return self._run_graphs(state, args, n, b)
+        if not state.lock.acquire(blocking=False):
+            raise self._concurrent_call_error(state)
+        state.owner = threading.get_ident()
+        try:
+            return self._run_graphs(state, args, n, b)
+        finally:
+            state.lock.release()
+
+    def _concurrent_call_error(self, state: _InstanceState) -> ConcurrentCallError:
+        if state.owner == threading.get_ident():
+            how = "re-entered from the thread that is running it (a break op calling its own stage?)"
+        else:
+            how = f"called from thread {threading.get_ident()} while thread {state.owner} is running it"
+        return ConcurrentCallError(
+            f"pp_breakable: {self.name} was {how}. A compiled stage instance serves one call at a time "
+            "(its static buffers hold that call's data): use one compiled stage per thread, or serialize "
+            "calls with a lock"
+        )
+
+    def _call_debug(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``debug=True``: a call, then the outputs of the call before it expire (stale_outputs.py)."""
+        try:
+            return self._call(args)
+        finally:
+            state = None
+            if self.eager_reason is None:
+                with contextlib.suppress(Exception):  # args so bad that they have no state key
+                    state = self._states.get(self._state_key(args))
+            if state is not None and state.tracker is not None:
+                state.tracker.end_call()
 
     def run_eager(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Every segment on live tensors: no static buffers, no graphs."""
         counters.eager_runs += 1
         env = self._env(args, self.num_tokens(args)) if self.token_symbol is not None else self._env(args, 0)
         live: list[Any] = list(args) + [None] * (self.program.num_slots - len(args))
-        for step in self.program.steps:
-            outs = step.fn(*[live[r.slot] if r.size is None else r.size(env) for r in step.args])
-            for s, o in zip(step.out_slots, outs):
-                if s >= 0:
-                    live[s] = o
+        step = None
+        try:
+            for step in self.program.steps:
+                outs = step.fn(*[live[r.slot] if r.size is None else r.size(env) for r in step.args])
+                for s, o in zip(step.out_slots, outs):
+                    if s >= 0:
+                        live[s] = o
+        except BaseException as e:
+            where = f"segment {step.segment.name}" if step is not None else "setup"
+            _add_note(e, f"pp_breakable: raised in {where} of {self.name}, run eagerly")
+            raise
         return self._outputs(live, env, owned=False)
 
     def _run_graphs(self, state: _InstanceState, args: tuple[Any, ...], n: int, b: int) -> tuple[Any, ...]:
         program = self.program
         env_n = self._env(args, n)
+        # Checked before anything is written: a rejected call leaves every buffer as it was.
+        check_inputs(self._input_specs, args, program.num_inputs, env_n, self.name, self._token_source)
+        if state.storages is None:
+            state.storages = storages_of(self._static_tensors(state))
+        aliased = aliased_slots(args, self._tensor_slots, state.storages)
+        if aliased:
+            args = self._copy_aliased(args, aliased)
         env_b = dict(env_n)
         env_b[self.token_symbol] = b
         executor = state.executor
@@ -169,38 +264,74 @@ class StageRuntime:
         if not executor.binds_inputs:
             static = list(static)
         token_dims = program.token_dims
-        for slot, buf in state.input_buffers.items():
-            copy_in(buf, args[slot], token_dims.get(slot, ()), env_n, env_b)
         live: list[Any] = list(args) + [None] * (program.num_slots - len(args))
         # A bound graph reads what it captured: its arguments matter only to the debug address check.
         resolve_graph_args = not executor.binds_inputs or self.config.debug
-        for step in program.steps:
-            if step.segment.is_graph:
-                sargs = (
-                    [static[r.slot] if r.size is None else r.size(env_b) for r in step.args]
-                    if resolve_graph_args else ()
-                )
-                outs: Sequence[Any] = executor.replay((step.index, b), sargs)
-                if not executor.binds_inputs:
+        step = None
+        try:
+            for slot, buf in state.input_buffers.items():
+                copy_in(buf, args[slot], token_dims.get(slot, ()), env_n, env_b)
+            for step in program.steps:
+                if step.segment.is_graph:
+                    sargs = (
+                        [static[r.slot] if r.size is None else r.size(env_b) for r in step.args]
+                        if resolve_graph_args else ()
+                    )
+                    outs: Sequence[Any] = executor.replay((step.index, b), sargs)
+                    if not executor.binds_inputs:
+                        for s, o in zip(step.out_slots, outs):
+                            if s >= 0:
+                                static[s] = o
+                    for s in step.live_views:
+                        live[s] = narrow_to(static[s], token_dims.get(s, ()), env_n)
+                    for s in step.live_values:
+                        live[s] = static[s]
+                else:
+                    outs = step.fn(*[live[r.slot] if r.size is None else r.size(env_n) for r in step.args])
                     for s, o in zip(step.out_slots, outs):
                         if s >= 0:
-                            static[s] = o
-                for s in step.live_views:
-                    live[s] = narrow_to(static[s], token_dims.get(s, ()), env_n)
-                for s in step.live_values:
-                    live[s] = static[s]
-            else:
-                outs = step.fn(*[live[r.slot] if r.size is None else r.size(env_n) for r in step.args])
-                for s, o in zip(step.out_slots, outs):
-                    if s >= 0:
-                        live[s] = o
-                for s in step.bridges:
-                    copy_in(state.bridge_buffers[s], live[s], token_dims.get(s, ()), env_n, env_b)
+                            live[s] = o
+                    for s in step.bridges:
+                        copy_in(state.bridge_buffers[s], live[s], token_dims.get(s, ()), env_n, env_b)
+        except BaseException as e:
+            where = f"segment {step.segment.name}" if step is not None else "the input copy-in"
+            _add_note(e, f"pp_breakable: raised in {where} of {self.name} ({n} tokens, bucket {b}); the "
+                      "stage stays usable: the next call rewrites every static buffer it reads")
+            raise
         counters.replays += 1
         counters.replays_by_bucket[b] += 1
-        return self._outputs(live, env_n, owned=self.config.owned_outputs)
+        if not self._own_outputs:
+            return self._outputs(live, env_n, owned=False)
+        copied: list[int] = []
+        outputs = self._outputs(live, env_n, owned=True, static=state.storages, copied=copied)
+        if self._track_outputs and copied:
+            if state.tracker is None:
+                state.tracker = OutputTracker(self.name)
+            state.tracker.hand_out((i, outputs[i]) for i in copied)
+        return outputs
 
-    def _outputs(self, live: list[Any], env: dict[sympy.Symbol, int], owned: bool) -> tuple[Any, ...]:
+    def _copy_aliased(self, args: tuple[Any, ...], slots: list[int]) -> tuple[Any, ...]:
+        """Inputs that share memory with this instance's static buffers (an output of the previous call
+        fed back in) are copied first: the call overwrites that memory while it may still read them."""
+        if "aliased" not in self._warned:
+            self._warned.add("aliased")
+            log.info("%s: input slot(s) %s share memory with the stage's own static buffers (an output of "
+                     "an earlier call?); such inputs are copied before the call", self.name, slots)
+        copied = list(args)
+        for s in slots:
+            copied[s] = args[s].clone()
+        return tuple(copied)
+
+    def _outputs(
+        self,
+        live: list[Any],
+        env: dict[sympy.Symbol, int],
+        owned: bool,
+        static: frozenset[int] = frozenset(),
+        copied: list[int] | None = None,
+    ) -> tuple[Any, ...]:
+        """The stage's outputs. ``owned``: copies of those in static memory (graph outputs, and anything
+        whose storage is in ``static``, like a break op's view of one); their indices go to ``copied``."""
         out = []
         for r in self.program.outputs:
             if not isinstance(r, Ref):
@@ -209,23 +340,75 @@ class StageRuntime:
                 out.append(r.size(env))
             else:
                 value = live[r.slot]
-                out.append(value.clone() if owned and r.slot in self._owned_slots else value)
+                if owned and isinstance(value, torch.Tensor) and (
+                    r.slot in self._owned_slots or value.untyped_storage().data_ptr() in static
+                ):
+                    value = value.clone()
+                    if copied is not None:
+                        copied.append(len(out))
+                out.append(value)
         return tuple(out)
 
     # ----------------------------------------------------------------------------------- capture
-    def _state_for(self, args: tuple[Any, ...]) -> _InstanceState:
+    def _state_key(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         # Graphs read module state in place and bake constant scalars (a norm's eps) at capture: key
         # the captured graphs by the identity of the one and the value of the other, and by inference
         # mode, whose tensors (static buffers, graph outputs) cannot be written outside it.
-        key = (
+        return (
             torch.is_inference_mode_enabled(),
             *map(id, [args[i] for i in self._state_slots]),
             *[args[i].item() for i in self._scalar_slots],
         )
+
+    def _state_for(self, args: tuple[Any, ...]) -> _InstanceState:
+        key = self._state_key(args)
         state = self._states.get(key)
         if state is None:
-            state = self._capture(args, key)
+            with self._capture_lock:  # two threads' first calls capture once
+                state = self._states.get(key)
+                if state is None:
+                    state = self._capture_or_explain(args, key)
         return state
+
+    def _capture_or_explain(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> _InstanceState:
+        """``_capture``, with what happens next added to its error.
+
+        A failed capture turns graphs off for this module instance (``state.failed``: later calls run
+        eagerly, with a warning). An interrupt (``KeyboardInterrupt``, ``SystemExit``) is not a failure
+        of the stage: the half-made state is dropped and the next call captures again.
+        """
+        try:
+            return self._capture(args, key)
+        except Exception as e:
+            _add_note(e, f"pp_breakable: graphs are off for this module instance of {self.name}; later "
+                      "calls run eagerly")
+            raise
+        except BaseException as e:
+            self._states.pop(key, None)
+            _add_note(e, f"pp_breakable: capture of {self.name} was interrupted; nothing it captured is "
+                      "kept, and the next call captures again")
+            raise
+
+    def _static_tensors(self, state: _InstanceState) -> Iterator[torch.Tensor]:
+        """Every tensor of ``state`` that calls write: static inputs, bridges, captured graph outputs."""
+        yield from state.input_buffers.values()
+        yield from state.bridge_buffers.values()
+        module_slots = {*self._state_slots, *self._scalar_slots}
+        for table in state.tables.values():
+            for slot, value in enumerate(table):
+                if isinstance(value, torch.Tensor) and slot not in module_slots:
+                    yield value
+
+    def static_bytes(self) -> int:
+        """Bytes of static memory this runtime holds over all module instances: static input buffers,
+        bridges and captured graph outputs (each storage counted once). On CUDA, graph-private
+        intermediates in the pool come on top (see ``torch.cuda.memory_reserved``)."""
+        sizes: dict[int, int] = {}
+        for state in list(self._states.values()):
+            for t in self._static_tensors(state):
+                storage = t.untyped_storage()
+                sizes[storage.data_ptr()] = storage.nbytes()
+        return sum(sizes.values())
 
     def _capture(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> _InstanceState:
         """Allocates static buffers and captures every (graph segment, bucket), largest bucket first."""
@@ -240,6 +423,10 @@ class StageRuntime:
         env = self._env(args, self.num_tokens(args))
         graph_steps = [st for st in program.steps if st.segment.is_graph]
         start = time.perf_counter()
+        from ppcompile.debug.capture import CaptureRecorder  # progress, time and memory per bucket
+
+        held = (*state.input_buffers.values(), *state.bridge_buffers.values(), *state.module_state)
+        recorder = CaptureRecorder(self, len(graph_steps), held, start)
         try:
             with torch.no_grad(), state.executor.capture_session():
                 for b in sorted(self.plan.sizes, reverse=True):
@@ -262,15 +449,21 @@ class StageRuntime:
                         for s, o in zip(st.out_slots, outs):
                             if s >= 0:
                                 table[s] = o
+                    if not state.executor.binds_inputs:
+                        # Replays return fresh outputs: the capture run's are not worth keeping.
+                        for st in graph_steps:
+                            for s in st.out_slots:
+                                if s >= 0:
+                                    table[s] = None
                     state.tables[b] = table
+                    recorder.bucket_done(b, table)
         except BaseException as e:
+            recorder.abort(e)
             state.failed = f"{type(e).__name__}: {e}"
             state.tables.clear()
             state.executor.release()
             raise
-        log.info("%s: captured %d graphs (%d segments x %d buckets, %s) in %.2f s", self.name,
-                 len(graph_steps) * len(self.plan.sizes), len(graph_steps), len(self.plan.sizes),
-                 self.graph_mode, time.perf_counter() - start)
+        recorder.finish()  # logs the stage's capture time and memory; rewrites its report when dumping
         return state
 
     # ----------------------------------------------------------------------------------- reports

@@ -527,8 +527,6 @@ def test_owned_outputs_survive_the_next_call() -> None:
     assert torch.equal(first, kept) and torch.equal(first2, kept2)
 
 
-@pytest.mark.xfail(strict=True, reason="debug-mode stale-output detection (DESIGN invariant 4, option "
-                   "'debug') is not implemented: a stale output is silently overwritten")
 def test_debug_detects_reading_a_stale_output() -> None:
     m = Stage()
     c = _compile(m, debug=True)
