@@ -1,0 +1,343 @@
+"""Host overhead of ppcompile's runtime, per forward and per segment, on a tiny deep stage where compute
+is negligible, against eager's per-op dispatch.
+
+The stage is the whole reference decoder (one PP rank) with 32 layers of width 16 and a handful of
+tokens, so each op costs almost only its dispatch. Timed interleaved, medians of many calls:
+
+* ``eager``: the module's forward; divided by the ATen ops it dispatches (counted with
+  ``torch.profiler``: top-level ``aten::`` ops) gives eager's cost per op;
+* ``dynamo_eager``: ``torch.compile(backend="eager")``, Dynamo's own cost on this stage;
+* ``compiled``: the ``pp_breakable`` module (Dynamo's guards and frame wrapper included);
+* ``runtime``: the ``StageRuntime`` called directly with the arguments Dynamo hands it;
+* the runtime once more with each part timed: segment bodies (a graph replay, or a break's eager
+  op), copy-in, live-size views (trim), outputs, and the rest (bucket choice, dispatch loop,
+  bookkeeping).
+
+Host time only (until the call returns; a GPU is synchronised after, untimed). Python's garbage
+collector is off while timing (as in ``timeit``). Runtime overhead = instrumented call - segment
+bodies - the timers' own cost, within each call; per segment = overhead / number of segments. On CPU
+a graph "replay" is the emulation (re-running the segment and copying into its captured outputs); it
+counts as the segment's body, as ``CUDAGraph.replay()`` does on a GPU.
+
+Run alone: ``python bench/overhead.py [--device cpu|cuda] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench.common import median, sync
+from bench.report import describe_machine, machine_info, markdown_table, save_json
+from ppcompile.backends.pp_breakable import stage_runtimes
+from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
+from ppcompile.runtime import stage_runtime as stage_runtime_module
+from ppcompile.runtime.stage_runtime import StageRuntime
+
+__all__ = ["TINY_DEEP", "markdown", "run_overhead"]
+
+TINY_DEEP = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=32, num_heads=2,
+                        num_kv_heads=1, head_dim=8, max_position=64)
+TARGET_US_PER_SEGMENT = 10.0
+_TOKENS = 6  # live tokens per forward (bucket 8)
+_BUCKETS = [4, 8, 16]
+
+
+class Stopwatch:
+    """Exclusive time per category of nested wrapped calls."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self._children: list[float] = []
+
+    def wrap(self, category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._children.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                children = self._children.pop()
+                self.seconds[category] += elapsed - children
+                self.calls[category] += 1
+                if self._children:
+                    self._children[-1] += elapsed
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def timer_cost(calls: int = 20000) -> float:
+    """Seconds a :class:`Stopwatch` wrapper adds to one call (a wrapped no-op against a bare one)."""
+    def noop() -> None:
+        return None
+
+    wrapped = Stopwatch().wrap("noop", noop)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            wrapped()
+        mid = time.perf_counter()
+        for _ in range(calls):
+            noop()
+        best = min(best, ((mid - start) - (time.perf_counter() - mid)) / calls)
+    return max(best, 0.0)
+
+
+def count_aten_ops(fn: Callable[[], Any]) -> int:
+    """ATen ops one call of ``fn`` dispatches from Python (top-level ``aten::`` profiler events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    count = 0
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
+
+
+def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mode: str = "auto",
+                 layers: int | None = None) -> dict[str, Any]:
+    """Measures eager per-op cost and ppcompile's runtime overhead on :data:`TINY_DEEP` (``layers``
+    overrides its depth); returns the JSON-able result."""
+    device = torch.device(device)
+    cfg = TINY_DEEP if layers is None else TINY_DEEP.replace(num_layers=layers)
+    torch._dynamo.reset()
+    stage = make_stage(cfg, 0, 1, device)
+    lens = [_TOKENS // 2, _TOKENS - _TOKENS // 2]
+    ids, pos, _ = make_batch(cfg, lens, 0, 1, device=device)
+    ctx = make_forward_context(lens, cfg, range(cfg.num_layers), device=device)
+    options: dict[str, Any] = {"capture_sizes": _BUCKETS, "graph_mode": graph_mode}
+    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=options)
+    with torch.inference_mode(), set_forward_context(ctx):
+        compiled(ids, pos)
+        runtime = _runtime_of_last_compile()
+        args = _args_dynamo_passes(runtime, lambda: compiled(ids, pos))
+        dynamo_eager = torch.compile(stage, backend="eager", dynamic=True)
+        watch = Stopwatch()
+        instrumented = _instrumented(runtime, watch)
+
+        def run_instrumented() -> None:
+            with instrumented:
+                watch.reset()
+                start = time.perf_counter()
+                runtime(*args)
+                per_call.append({**watch.seconds, "total": time.perf_counter() - start})
+                wrapped_calls.append(sum(watch.calls.values()))
+            sync(device)  # untimed: host time is what is measured
+
+        variants: dict[str, Callable[[], Any]] = {
+            "eager": lambda: stage(ids, pos),
+            "dynamo_eager": lambda: dynamo_eager(ids, pos),
+            "compiled": lambda: compiled(ids, pos),
+            "runtime": lambda: runtime(*args),
+        }
+        per_call: list[dict[str, float]] = []
+        wrapped_calls: list[int] = []
+        for _ in range(max(3, iters // 10)):  # compile, warm caches and the allocator
+            for fn in variants.values():
+                fn()
+            run_instrumented()
+        per_call.clear()
+        wrapped_calls.clear()
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        names = list(variants)
+        gc.collect()
+        gc.disable()  # as timeit does: a collection inside one call is noise here, not overhead
+        try:
+            for i in range(iters):  # interleaved, rotating order: a noisy neighbour hits every variant
+                for name in names[i % len(names):] + names[: i % len(names)]:
+                    start = time.perf_counter()
+                    variants[name]()
+                    times[name].append(time.perf_counter() - start)
+                    sync(device)  # untimed: host time is what is measured
+                run_instrumented()
+        finally:
+            gc.enable()
+        eager_us, dynamo_eager_us, compiled_us, runtime_us = (1e6 * median(times[k]) for k in names)
+        ops = count_aten_ops(lambda: stage(ids, pos))
+    segments = len(runtime.program.steps)
+    graph_segments = sum(1 for s in runtime.program.steps if s.segment.is_graph)
+    parts_us = {k: 1e6 * median([c.get(k, 0.0) for c in per_call]) for k in per_call[0]}
+    instrumented_us = parts_us.pop("total")
+    parts_us["rest (bucket, dispatch, bookkeeping)"] = 1e6 * median(
+        [c["total"] - sum(v for k, v in c.items() if k != "total") for c in per_call])
+    # Same-call figures (robust to a noisy neighbour): call minus segment bodies, minus the timers' cost.
+    timer_us = 1e6 * timer_cost()
+    overhead_us = 1e6 * median([c["total"] - c.get("segment bodies", 0.0) for c in per_call]) - (
+        timer_us * median(wrapped_calls))
+    return {
+        "kind": "overhead",
+        "machine": machine_info(device),
+        "stage": (f"reference decoder, {cfg.num_layers} layers, hidden {cfg.hidden_size}, whole model on "
+                  f"one rank; {_TOKENS} tokens in 2 sequences (bucket {runtime.plan.bucket(_TOKENS)})"),
+        "graph_mode": runtime.graph_mode,
+        "iters": iters,
+        "eager_us": eager_us,
+        "eager_ops": ops,
+        "eager_us_per_op": eager_us / ops,
+        "dynamo_eager_us": dynamo_eager_us,
+        "compiled_us": compiled_us,
+        "dynamo_us": compiled_us - runtime_us,
+        "runtime_us": runtime_us,
+        "instrumented_us": instrumented_us,
+        "parts_us": parts_us,
+        "segments": segments,
+        "float_inputs": len(getattr(runtime, "_scalar_slots", ())),
+        "graph_segments": graph_segments,
+        "timer_us": timer_us,
+        "overhead_us": overhead_us,
+        "overhead_us_per_segment": overhead_us / segments,
+        "target_us_per_segment": TARGET_US_PER_SEGMENT,
+    }
+
+
+def _args_dynamo_passes(runtime: StageRuntime, call: Callable[[], Any]) -> tuple[Any, ...]:
+    """The arguments Dynamo hands ``runtime`` during ``call()`` (its class is swapped for a recording
+    subclass meanwhile: Python looks ``__call__`` up on the type)."""
+    seen: list[tuple[Any, ...]] = []
+
+    class Recording(type(runtime)):  # type: ignore[misc]
+        def __call__(self, *args: Any) -> Any:
+            seen.append(args)
+            return super().__call__(*args)
+
+    original = runtime.__class__
+    runtime.__class__ = Recording
+    try:
+        call()
+    finally:
+        runtime.__class__ = original
+    if not seen:
+        raise RuntimeError("overhead: the compiled stage did not call its StageRuntime")
+    return seen[-1]
+
+
+def _runtime_of_last_compile() -> StageRuntime:
+    runtimes = stage_runtimes()
+    if not runtimes:
+        raise RuntimeError("overhead: the compiled stage built no StageRuntime (did Dynamo fall back?)")
+    return runtimes[-1]
+
+
+class _instrumented:
+    """Wraps the runtime's parts in ``watch`` (instance attributes and module functions), then undoes it."""
+
+    def __init__(self, runtime: StageRuntime, watch: Stopwatch) -> None:
+        self.runtime = runtime
+        self.watch = watch
+        self.saved_program = runtime.program
+        self.saved_globals: dict[str, Any] = {}
+
+    def __enter__(self) -> None:
+        self.saved_program = self.runtime.program
+        rt, w = self.runtime, self.watch
+        executors = [s.executor for s in getattr(rt, "_states", {}).values() if hasattr(s, "executor")]
+        if not executors or not all(hasattr(rt, a) for a in ("_outputs", "program")):
+            raise RuntimeError(
+                "overhead: StageRuntime's internals changed (expected _states[...].executor, program, "
+                "_outputs); update bench/overhead.py's instrumentation to match"
+            )
+        for executor in executors:
+            executor.replay = w.wrap("segment bodies", executor.replay)
+        steps = tuple(
+            st if st.segment.is_graph else dataclasses.replace(st, fn=w.wrap("segment bodies", st.fn))
+            for st in rt.program.steps
+        )
+        rt.program = dataclasses.replace(rt.program, steps=steps)
+        rt._outputs = w.wrap("outputs", rt._outputs)  # type: ignore[method-assign]
+        for name, category in (("copy_in", "copy-in"), ("narrow_to", "live views (trim)")):
+            if hasattr(stage_runtime_module, name):  # parts of "rest" otherwise
+                self.saved_globals[name] = getattr(stage_runtime_module, name)
+                setattr(stage_runtime_module, name, w.wrap(category, self.saved_globals[name]))
+
+    def __exit__(self, *exc: object) -> None:
+        rt = self.runtime
+        for state in rt._states.values():
+            state.executor.__dict__.pop("replay", None)
+        rt.program = self.saved_program
+        rt.__dict__.pop("_outputs", None)
+        for name, fn in self.saved_globals.items():
+            setattr(stage_runtime_module, name, fn)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """Per-forward and per-segment figures, and the instrumented breakdown."""
+    r = result
+    per_seg = r["overhead_us_per_segment"]
+    verdict = "within" if per_seg <= r["target_us_per_segment"] else "ABOVE"
+    rows = [
+        ["eager forward", f"{r['eager_us']:.0f}",
+         f"{r['eager_ops']} ATen ops: {r['eager_us_per_op']:.2f} µs/op"],
+        ["torch.compile(backend=\"eager\") forward", f"{r['dynamo_eager_us']:.0f}",
+         "Dynamo's own cost on this stage, for reference"],
+        ["pp_breakable forward (Dynamo + runtime)", f"{r['compiled_us']:.0f}",
+         f"Dynamo guards and frame: {r['dynamo_us']:.0f} µs" + _floats_note(r)],
+        ["StageRuntime call", f"{r['runtime_us']:.0f}",
+         f"{r['segments']} segments ({r['graph_segments']} graph, "
+         f"{r['segments'] - r['graph_segments']} break)"],
+        ["runtime overhead (without segment bodies)", f"{r['overhead_us']:.0f}",
+         f"**{per_seg:.1f} µs per segment** ({verdict} the {r['target_us_per_segment']:.0f} µs target)"],
+    ]
+    parts = sorted(r["parts_us"].items(), key=lambda kv: -kv[1])
+    breakdown = ", ".join(f"{k} {v:.0f}" for k, v in parts)
+    return "\n".join([
+        f"Stage: {r['stage']}; graphs: {r['graph_mode']}; medians of {r['iters']} calls.",
+        "",
+        markdown_table(["per forward", "µs", "note"], rows, align="lrl"),
+        "",
+        f"Instrumented runtime call ({r['instrumented_us']:.0f} µs, timers included), exclusive µs per "
+        f"forward: {breakdown}. Runtime overhead is measured within each instrumented call (call - "
+        f"segment bodies - {r['timer_us']:.2f} µs per timer), median over calls.",
+        "",
+        f"Machine: {describe_machine(r['machine'])}.",
+    ])
+
+
+def _floats_note(r: dict[str, Any]) -> str:
+    n = r.get("float_inputs")
+    return f" ({n} float attributes passed as 0-d tensors)" if n else ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--layers", type=int, default=None, help="depth of the tiny stage (default 32)")
+    parser.add_argument("--graph-mode", default="auto",
+                        help="pp_breakable graph_mode (auto|emulate|eager|cuda)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(args.threads)
+    result = run_overhead(device, args.iters, args.graph_mode, args.layers)
+    save_json(args.out / "overhead.json", result)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
