@@ -34,7 +34,12 @@ class PPBreakableConfig:
         max_capture_tokens: cap of the default ladder; forwards above it run eagerly.
         split_ops: extra ops to break at, as ``"namespace::op"`` strings or op objects. Attention of the
             reference models and ``scaled_dot_product_attention`` are always breaks.
-        segment_compiler: ``"eager"`` runs each graph segment's FX code as is; ``"inductor"`` compiles it.
+        segment_compiler: ``"eager"`` runs each graph segment's FX code as is; ``"inductor"`` compiles it
+            once for the symbolic token count (identical segments share one compile).
+        compile_sizes: with ``segment_compiler="inductor"``, buckets that also get a static-shape
+            compile of every graph segment, used at exactly those token counts. Each must be a bucket.
+        dedup_segments: share one compile among segments of the same structure (the same layer
+            repeated), across the stages of the process too. Off only to debug the sharing.
         graph_mode: ``"cuda"`` (CUDA graphs), ``"emulate"`` (CPU emulation of graph semantics),
             ``"eager"`` (same static-buffer path, no graphs) or ``"auto"`` (cuda on CUDA tensors, else
             emulate).
@@ -53,6 +58,8 @@ class PPBreakableConfig:
     max_capture_tokens: int = DEFAULT_MAX_CAPTURE_TOKENS
     split_ops: tuple[Any, ...] = ()
     segment_compiler: str = "eager"
+    compile_sizes: tuple[int, ...] = ()
+    dedup_segments: bool = True
     graph_mode: str = "auto"
     max_padding_factor: float = 2.0
     on_unsafe: str = "break"
@@ -76,6 +83,7 @@ class PPBreakableConfig:
             object.__setattr__(self, key, _checked_ops(key, getattr(self, key)))
         if self.segment_compiler not in SEGMENT_COMPILERS:
             _bad("segment_compiler", self.segment_compiler, " | ".join(map(repr, SEGMENT_COMPILERS)))
+        self._check_compile_sizes()
         if self.graph_mode not in GRAPH_MODES:
             _bad("graph_mode", self.graph_mode, " | ".join(map(repr, GRAPH_MODES)))
         if self.on_unsafe not in ON_UNSAFE:
@@ -85,9 +93,30 @@ class PPBreakableConfig:
             _bad("max_padding_factor", mpf, "a number >= 1.0")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             _bad("dump_dir", self.dump_dir, "a path string or None")
-        for flag in ("debug", "owned_outputs"):
+        for flag in ("debug", "owned_outputs", "dedup_segments"):
             if not isinstance(getattr(self, flag), bool):
                 _bad(flag, getattr(self, flag), "True or False")
+
+    def _check_compile_sizes(self) -> None:
+        sizes = self.compile_sizes
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
+        ):
+            _bad("compile_sizes", sizes, "a list of positive ints (buckets to specialise)")
+        sizes = tuple(sorted(set(sizes)))
+        object.__setattr__(self, "compile_sizes", sizes)
+        if not sizes:
+            return
+        if self.segment_compiler != "inductor":
+            _bad("compile_sizes", sizes, "[] unless segment_compiler is 'inductor' (eager segments "
+                 "have nothing to specialise)")
+        from ppcompile.runtime.buckets import default_capture_ladder  # buckets imports this module
+
+        buckets = self.capture_sizes or default_capture_ladder(self.max_capture_tokens)
+        missing = [s for s in sizes if s not in buckets]
+        if missing:
+            _bad("compile_sizes", sizes, f"bucket sizes only; {missing} are not buckets (capture sizes: "
+                 f"{list(buckets) if len(buckets) <= 16 else [*buckets[:8], '...', *buckets[-4:]]})")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> PPBreakableConfig:
@@ -101,8 +130,9 @@ class PPBreakableConfig:
             )
         if "dump_dir" not in options:
             options["dump_dir"] = envs.dump_dir()
-        if isinstance(options.get("capture_sizes"), (list, tuple)):
-            options["capture_sizes"] = tuple(options["capture_sizes"])
+        for key in ("capture_sizes", "compile_sizes"):
+            if isinstance(options.get(key), (list, tuple)):
+                options[key] = tuple(options[key])
         return cls(**options)
 
     @property

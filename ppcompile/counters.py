@@ -2,7 +2,9 @@
 
 ``replays`` and ``eager_runs`` count stage forwards (one per call of a compiled stage) by the path that
 served them; ``replays_by_bucket`` splits replays by bucket; ``captures`` counts captured (segment,
-bucket) graphs; ``backend_compiles`` counts calls of the backend by Dynamo.
+bucket) graphs; ``backend_compiles`` counts calls of the backend by Dynamo; ``segment_compiles`` counts
+graph segments actually compiled (unique structures; eager segments compile nothing) and
+``segment_cache_hits`` the segments that reused an artifact of the same structure.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class Counters:
     eager_runs: int = 0
     captures: int = 0
     backend_compiles: int = 0
+    segment_compiles: int = 0
+    segment_cache_hits: int = 0
     replays_by_bucket: Counter[int] = dataclasses.field(default_factory=Counter)
 
     def reset(self) -> None:

@@ -47,6 +47,8 @@ GOOD: dict[str, list[Any]] = {
     "max_capture_tokens": [1, 2048],
     "split_ops": [[], ["aten::relu"], (torch.relu, "a::b")],
     "segment_compiler": ["eager", "inductor"],
+    "compile_sizes": [[], ()],  # non-empty needs segment_compiler="inductor": tests/backends
+    "dedup_segments": [True, False],
     "graph_mode": ["auto", "cuda", "emulate", "eager"],
     "max_padding_factor": [1, 1.0, 4.5],
     "dump_dir": [None, "/tmp/dumps"],
@@ -60,6 +62,8 @@ BAD: dict[str, list[Any]] = {
     "max_capture_tokens": [0, -1, 1.5, "8192", True, None],
     "split_ops": ["aten::relu", ["relu"], ["a::b::c"], ["::relu"], ["aten::"], 3],
     "segment_compiler": ["tvm", "Eager", None],
+    "compile_sizes": [[16], [0], [-2], ["16"], [True], [1.5], 16, "16", None],
+    "dedup_segments": [1, "yes", None],
     "graph_mode": ["graphs", "CUDA", None],
     "max_padding_factor": [0.5, 0, -2.0, float("nan"), "2", True, None],
     "dump_dir": [3, b"/tmp"],

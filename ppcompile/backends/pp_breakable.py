@@ -21,7 +21,8 @@ from ppcompile.runtime.buckets import make_bucket_plan
 from ppcompile.runtime.program import build_program
 from ppcompile.runtime.stage_runtime import StageRuntime
 
-from .segment_compilers import compile_segment
+from .float_attributes import tensorify_float_attributes
+from .segment_compilers import compile_segments, compile_times, dynamo_trace_seconds
 
 __all__ = ["pp_breakable", "stage_runtimes"]
 
@@ -64,16 +65,14 @@ def pp_breakable(
 ) -> StageRuntime:
     """Compiles one Dynamo graph of a PP stage into a ``StageRuntime``."""
     config = PPBreakableConfig.from_options(options)
+    dynamo_seconds = dynamo_trace_seconds()
+    if config.segment_compiler == "inductor":
+        tensorify_float_attributes(gm)  # x + eps.item() -> x + eps (or Dynamo re-traces)
     counters.backend_compiles += 1
     name = _graph_name()
     ctx = PassContext(config=config, example_inputs=list(example_inputs), graph_name=name)
     split = run_passes(gm, ctx)
-    compiled = {}
-    for node in split.graph.find_nodes(op="call_module"):
-        submod = getattr(split, str(node.target))
-        segment = node.meta["pp_segment"]
-        compiler = config.segment_compiler if segment.is_graph and not ctx.is_static else "eager"
-        compiled[str(node.target)] = compile_segment(submod, compiler)
+    compiled, segment_compiles = compile_segments(split, ctx)
     program = build_program(split, ctx, compiled)
     runtime = StageRuntime(
         name=name,
@@ -84,6 +83,11 @@ def pp_breakable(
         config=config,
     )
     runtime.split_module = split  # type: ignore[attr-defined]
+    runtime.segment_compiles = segment_compiles  # type: ignore[attr-defined]
+    runtime.compile_times = compile_times(dynamo_seconds, ctx, segment_compiles)  # type: ignore[attr-defined]
     _RUNTIMES.append(weakref.ref(runtime))
+    from ppcompile.debug.report import on_stage_compiled  # split/segment dumps, report, TORCH_TRACE
+
+    on_stage_compiled(runtime, split, ctx)
     log.info("%s", runtime.describe())
     return runtime

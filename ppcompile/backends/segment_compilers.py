@@ -1,36 +1,445 @@
-"""Segment compilers: turn one FX segment into a callable.
+"""Segment compilers: turn the graph segments of a split stage into callables.
 
 * ``eager``: the segment's own FX code, run as is.
 * ``inductor``: ``compile_fx`` over the segment's symbolic example inputs, so one compile serves every
-  bucket and the live sizes break segments see.
+  bucket (and the live sizes of the eager path). ``compile_sizes`` adds artifacts specialised to
+  chosen buckets (static shapes), used at exactly those token counts.
+
+Compile once per structure. Dynamo passes parameters as graph inputs, so the segments of N identical
+decoder layers differ only in placeholder names and in which weights they are handed: a stage of 32
+layers has 65 segments but about three distinct ones. Each segment gets a *structural key* (its nodes by
+position, targets, constants, the dtype/shape/stride/device of every input with symbols renamed in order
+of appearance, which inputs are module state, and the compiler options); segments with equal keys share
+one compiled artifact, each call site passing its own parameters. The cache is process-wide, so the
+stages of one process share too. ``counters.segment_compiles`` counts artifacts compiled,
+``counters.segment_cache_hits`` the segments that reused one.
+
+Before (two layers' middle segments)::
+
+    def forward(self, out, L_w2_o_, L_w2_up_):      # layer 2       key 3f0c...
+    def forward(self, out_1, L_w3_o_, L_w3_up_):    # layer 3       key 3f0c...  -> reused
+
+After: both call sites hold the same compiled callable.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import logging
-from collections.abc import Callable
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import sympy
 import torch
 
-from ppcompile.symbolic import example_value
+from ppcompile.counters import counters
+from ppcompile.passes.context import PassContext
+from ppcompile.records import InputKind
+from ppcompile.symbolic import example_value, size_expr
 
-__all__ = ["compile_segment"]
+__all__ = [
+    "SegmentCompile",
+    "SizeDispatch",
+    "clear_segment_cache",
+    "compile_segment",
+    "compile_segments",
+    "compile_times",
+    "dynamo_trace_seconds",
+    "structural_key",
+]
 
 log = logging.getLogger(__name__)
 
+SegmentFn = Callable[..., Any]
 
-def _example_inputs(gm: torch.fx.GraphModule) -> list[Any]:
-    return [example_value(p) for p in gm.graph.find_nodes(op="placeholder")]
+_ARTIFACTS: dict[str, tuple[SegmentFn, weakref.ref[Any] | None]] = {}
+"""Process-wide: structural key -> (compiled artifact, the shape env it is confined to, or None)."""
+_PINNED: list[Any] = []
+"""Objects a key names by address (a baked tensor): kept alive so no other object takes the address."""
 
 
-def compile_segment(gm: torch.fx.GraphModule, compiler: str) -> Callable[..., Any]:
-    """Compiles one graph segment with the named segment compiler."""
+@dataclasses.dataclass(frozen=True)
+class SegmentCompile:
+    """How one graph segment got its callable: compiled here (``seconds`` spent) or reused by key."""
+
+    segment: str  # submodule name in the split stage graph
+    key: str  # structural key (16 hex digits); equal keys share one artifact
+    compiler: str
+    seconds: float  # compile time spent for this segment (0.0 when reused)
+    reused: bool
+    sizes: tuple[int, ...] = ()  # buckets with a specialised (static-shape) artifact
+
+
+def clear_segment_cache() -> None:
+    """Forgets every shared artifact (the next compile of each structure compiles again)."""
+    _ARTIFACTS.clear()
+    _PINNED.clear()
+
+
+def _by_address(obj: Any) -> str:
+    _PINNED.append(obj)
+    return f"{type(obj).__qualname__}@{id(obj):x}"
+
+
+# ----------------------------------------------------------------------------------- structural key
+class _Canon:
+    """Renders a segment's inputs and constants as text with symbols renamed in order of appearance."""
+
+    def __init__(self) -> None:
+        self.symbols: dict[sympy.Symbol, sympy.Symbol] = {}
+
+    def expr(self, e: sympy.Expr) -> str:
+        for s in sorted(e.free_symbols, key=str):
+            if s not in self.symbols:
+                self.symbols[s] = sympy.Symbol(f"c{len(self.symbols)}", integer=True, positive=True)
+        return str(e.xreplace(self.symbols))
+
+    def value(self, v: Any) -> str:
+        """An input's traced value: metadata only, never data."""
+        if isinstance(v, torch.Tensor):
+            shape = ",".join(self.expr(size_expr(s)) for s in v.shape)
+            stride = ",".join(self.expr(size_expr(s)) for s in v.stride())
+            return f"T({v.dtype},{v.device.type},[{shape}],[{stride}],{v.requires_grad})"
+        if isinstance(v, torch.SymInt):
+            return f"S({self.expr(size_expr(v))})"
+        if isinstance(v, (torch.SymFloat, torch.SymBool)):
+            return f"{type(v).__name__}({self.expr(v.node.expr)})"
+        return f"C({_const(v)})"
+
+
+def _const(v: Any) -> str:
+    """A constant argument as text that is equal exactly when the constant is."""
+    if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+                      torch.memory_format)):
+        return f"{type(v).__name__}:{v!r}"
+    if isinstance(v, (list, tuple)):
+        return f"{type(v).__name__}[{','.join(_const(x) for x in v)}]"
+    if isinstance(v, slice):
+        return f"slice({_const(v.start)},{_const(v.stop)},{_const(v.step)})"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{_const(k)}:{_const(x)}" for k, x in v.items()) + "}"
+    text = repr(v)
+    # An object whose repr holds an address (a tensor constant, a function) only equals itself.
+    return _by_address(v) if " at 0x" in text or isinstance(v, torch.Tensor) else text
+
+
+def _target(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
+    t = node.target
+    if node.op == "call_function":
+        if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return str(t)
+        return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', repr(t))}"
+    if node.op == "get_attr":  # a tensor baked into the segment: shared only with the same tensor
+        obj = gm
+        for part in str(t).split("."):
+            obj = getattr(obj, part)
+        return f"attr {_by_address(obj)}"
+    if node.op == "call_module":
+        return f"module {_by_address(gm.get_submodule(str(t)))}"
+    return str(t)
+
+
+def structural_key(
+    gm: torch.fx.GraphModule, input_kinds: Sequence[str], options: Mapping[str, Any]
+) -> str:
+    """The key under which ``gm`` shares a compiled artifact (16 hex digits).
+
+    ``input_kinds`` names each placeholder's role (module state, live tensor, intermediate, ...);
+    ``options`` are the compiler and its options. Node names never enter the key.
+    """
+    canon = _Canon()
+    index: dict[torch.fx.Node, int] = {}
+
+    def arg(a: Any) -> str:
+        if isinstance(a, torch.fx.Node):
+            return f"%{index[a]}"
+        if isinstance(a, (list, tuple)):
+            return f"{type(a).__name__}[{','.join(arg(x) for x in a)}]"
+        if isinstance(a, dict):
+            return "{" + ",".join(f"{k}:{arg(x)}" for k, x in a.items()) + "}"
+        return _const(a)
+
+    lines = [f"options {sorted((k, _const(v)) for k, v in options.items())}"]
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(input_kinds) != len(placeholders):
+        raise ValueError(f"structural_key: {len(input_kinds)} input kinds for {len(placeholders)} inputs")
+    kinds = dict(zip(placeholders, input_kinds))
+    for node in gm.graph.nodes:
+        index[node] = len(index)
+        if node.op == "placeholder":
+            lines.append(f"in {kinds[node]} {canon.value(example_value(node))}")
+        else:
+            kwargs = ",".join(f"{k}={arg(v)}" for k, v in node.kwargs.items())
+            lines.append(f"{node.op} {_target(node, gm)} ({arg(node.args)}) {{{kwargs}}}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------- compiling
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A fresh graph module over the same attributes: Inductor's pre-grad passes rewrite in place."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+@contextlib.contextmanager
+def _float_symbols_hidden() -> Iterator[None]:
+    """Hides the float symbols of Dynamo's shape environment from one segment's compile.
+
+    Inductor's ``tensorify_python_scalars`` asks Dynamo to re-trace the whole stage (floats baked in)
+    whenever the shape environment holds a float symbol the graph it compiles did not consume. A
+    segment never sees the floats of the others (break segments read per-call floats eagerly;
+    ``float_attributes`` turned module floats into tensors), so without this every stage with a float
+    input would be traced twice, and per-call floats would be specialised (a recompile per value).
+    """
+    values = getattr(_shape_env(), "backed_var_to_val", None)
+    if not isinstance(values, dict):
+        yield
+        return
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    hidden = {k: v for k, v in values.items() if symbol_is_type(k, SymT.FLOAT)}
+    for k in hidden:
+        del values[k]
+    try:
+        yield
+    finally:
+        values.update(hidden)
+
+
+def _compile_symbolic(gm: torch.fx.GraphModule) -> SegmentFn:
+    """Inductor over the traced (fake, symbolic) inputs, inside Dynamo's tracing context."""
+    from torch._inductor.compile_fx import compile_fx
+
+    inputs = [example_value(p) for p in gm.graph.find_nodes(op="placeholder")]
+    with _float_symbols_hidden():
+        compiled: SegmentFn = compile_fx(_copy(gm), inputs)  # type: ignore[assignment]
+    return compiled
+
+
+def _concrete(v: Any, env: Mapping[sympy.Symbol, int]) -> Any:
+    def num(s: Any) -> int:
+        e = size_expr(s).xreplace(env)
+        if e.free_symbols:
+            raise _NotSpecialisable(f"size {e} depends on a symbol other than the token count")
+        return int(e)
+
+    if isinstance(v, torch.Tensor):  # called under the compile's own fake mode: no memory
+        return torch.empty_strided([num(s) for s in v.shape], [num(s) for s in v.stride()],
+                                   dtype=v.dtype, device=v.device)
+    if isinstance(v, torch.SymInt):
+        return num(v)
+    if isinstance(v, (torch.SymFloat, torch.SymBool)):
+        raise _NotSpecialisable(f"a symbolic {type(v).__name__} input")
+    return v
+
+
+class _NotSpecialisable(Exception):
+    pass
+
+
+def _compile_static(gm: torch.fx.GraphModule, token_symbol: sympy.Symbol, size: int) -> SegmentFn:
+    """Inductor with every token dim fixed to ``size``, in a tracing context of its own (no symbols)."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    env = {token_symbol: sympy.Integer(size)}
+    fake_mode = FakeTensorMode(static_shapes=True)
+    with fake_mode:
+        inputs = [_concrete(example_value(p), env) for p in gm.graph.find_nodes(op="placeholder")]
+    fresh = _copy(gm)
+    for node in fresh.graph.nodes:  # symbolic meta of Dynamo's shape env must not leak into this one
+        node.meta.pop("example_value", None)
+        node.meta.pop("val", None)
+    with tracing(TracingContext(fake_mode)):
+        compiled: SegmentFn = compile_fx(fresh, inputs)  # type: ignore[assignment]
+    return compiled
+
+
+def _token_locator(gm: torch.fx.GraphModule, token_symbol: sympy.Symbol) -> tuple[int, int] | None:
+    """(input, dim) whose size is exactly the token count; dim -1 for a SymInt input."""
+    for i, p in enumerate(gm.graph.find_nodes(op="placeholder")):
+        v = example_value(p)
+        if isinstance(v, torch.SymInt) and size_expr(v) == token_symbol:
+            return i, -1
+        if isinstance(v, torch.Tensor):
+            for d, s in enumerate(v.shape):
+                if size_expr(s) == token_symbol:
+                    return i, d
+    return None
+
+
+class SizeDispatch:
+    """Calls a static-shape artifact at its token count and the symbolic one otherwise."""
+
+    __slots__ = ("by_size", "dim", "general", "slot")
+
+    def __init__(self, general: SegmentFn, by_size: dict[int, SegmentFn], slot: int, dim: int) -> None:
+        self.general = general
+        self.by_size = by_size
+        self.slot = slot
+        self.dim = dim
+
+    def __call__(self, *args: Any) -> Any:
+        a = args[self.slot]
+        n = int(a) if self.dim < 0 else a.shape[self.dim]
+        return self.by_size.get(n, self.general)(*args)
+
+
+def compile_segment(gm: torch.fx.GraphModule, compiler: str) -> SegmentFn:
+    """Compiles one graph segment with the named segment compiler (no sharing, no specialisation)."""
     if compiler == "eager":
         return gm
     if compiler == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        compiled: Callable[..., Any] = compile_fx(gm, _example_inputs(gm))  # type: ignore[assignment]
-        return compiled
+        return _compile_symbolic(gm)
     raise ValueError(f"pp_breakable: unknown segment compiler {compiler!r}; valid: 'eager' | 'inductor'")
+
+
+def _input_kinds(
+    node: torch.fx.Node, placeholders: Mapping[torch.fx.Node, int], ctx: PassContext
+) -> list[str]:
+    kinds = []
+    for a in node.args:
+        if isinstance(a, torch.fx.Node) and a in placeholders and placeholders[a] < len(ctx.input_kinds):
+            kind = ctx.input_kinds[placeholders[a]]
+            kinds.append(kind.value if isinstance(kind, InputKind) else str(kind))
+        else:
+            kinds.append("intermediate")
+    return kinds
+
+
+def _compile_shared(
+    sub: torch.fx.GraphModule, key: str, sizes: tuple[int, ...], ctx: PassContext
+) -> tuple[SegmentFn, float, bool, tuple[int, ...]]:
+    """The artifact for ``key``: from the process cache, or compiled now. Returns (fn, s, reused, sizes)."""
+    shape_env = _shape_env()
+    hit = _ARTIFACTS.get(key) if ctx.config.dedup_segments else None
+    if hit is not None and (hit[1] is None or hit[1]() is shape_env):
+        counters.segment_cache_hits += 1
+        fn = hit[0]
+        return fn, 0.0, True, tuple(fn.by_size) if isinstance(fn, SizeDispatch) else ()
+    start = time.perf_counter()
+    before = _shape_facts(shape_env)
+    fn = _compile_symbolic(sub)
+    # A guard Inductor added is installed for this Dynamo graph only: confine the artifact to it.
+    confined = weakref.ref(shape_env) if _shape_facts(shape_env) != before else None
+    if confined is not None:
+        log.info("%s: Inductor added shape guards compiling segment %s; it is shared within this stage "
+                 "graph only", ctx.graph_name, key)
+    done: dict[int, SegmentFn] = {}
+    locator = _token_locator(sub, ctx.token_symbol) if sizes and ctx.token_symbol is not None else None
+    if sizes and locator is None:
+        log.debug("%s: segment %s has no input sized by the token count; compile_sizes skipped",
+                  ctx.graph_name, key)
+    elif locator is not None and ctx.token_symbol is not None:
+        for b in sizes:
+            try:
+                done[b] = _compile_static(sub, ctx.token_symbol, b)
+            except _NotSpecialisable as e:
+                log.debug("%s: segment %s not specialised to %d tokens: %s", ctx.graph_name, key, b, e)
+                break
+    if done and locator is not None:
+        fn = SizeDispatch(fn, done, *locator)
+    seconds = time.perf_counter() - start
+    counters.segment_compiles += 1
+    if ctx.config.dedup_segments:
+        _ARTIFACTS[key] = (fn, confined)
+    return fn, seconds, False, tuple(done)
+
+
+def _shape_env() -> Any:
+    ctx = torch._guards.TracingContext.try_get()
+    return getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+
+
+def _shape_facts(shape_env: Any) -> tuple[int, int, int]:
+    """What a compile can add to the shape env: guards, replacements, divisibility facts."""
+    if shape_env is None:
+        return (0, 0, 0)
+    return (len(getattr(shape_env, "guards", ())), len(getattr(shape_env, "replacements", {})),
+            len(getattr(shape_env, "divisible", ())))
+
+
+def _inductor_config_hash() -> str:
+    """Inductor's settings now: an artifact compiled under other settings is not shared."""
+    import torch._inductor.config as inductor_config
+
+    items = sorted(inductor_config.get_config_copy().items(), key=lambda kv: kv[0])
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+
+def compile_segments(
+    split: torch.fx.GraphModule, ctx: PassContext
+) -> tuple[dict[str, SegmentFn], list[SegmentCompile]]:
+    """Callables for every segment of ``split`` (break segments run as is) and a record per graph
+    segment: its structural key, whether it was compiled or reused, and the time spent."""
+    config = ctx.config
+    placeholders = {p: i for i, p in enumerate(split.graph.find_nodes(op="placeholder"))}
+    inductor_config = _inductor_config_hash() if config.segment_compiler == "inductor" else ""
+    callables: dict[str, SegmentFn] = {}
+    records: list[SegmentCompile] = []
+    for node in split.graph.find_nodes(op="call_module"):
+        name = str(node.target)
+        sub = getattr(split, name)
+        graphed = node.meta["pp_segment"].is_graph and not ctx.is_static
+        compiler = config.segment_compiler if graphed else "eager"
+        if compiler == "eager":
+            callables[name] = sub
+            continue
+        sizes = tuple(config.compile_sizes)
+        options = {"compiler": compiler, "compile_sizes": sizes, "inductor_config": inductor_config}
+        key = structural_key(sub, _input_kinds(node, placeholders, ctx), options)
+        try:
+            fn, seconds, reused, done = _compile_shared(sub, key, sizes, ctx)
+        except torch._dynamo.exc.RestartAnalysis:
+            raise  # Dynamo's own protocol: it re-traces and calls the backend again
+        except Exception as e:
+            raise RuntimeError(
+                f"pp_breakable: {compiler} failed to compile graph segment {name} of {ctx.graph_name} "
+                f"(key {key}): {type(e).__name__}: {e}. Set options={{'segment_compiler': 'eager'}} to run "
+                "the segments uncompiled, or dump_dir to get the segment's code"
+            ) from e
+        callables[name] = fn
+        records.append(SegmentCompile(name, key, compiler, seconds, reused, done))
+        log.debug("%s: segment %s key %s %s in %.2f s", ctx.graph_name, name, key,
+                  "reused" if reused else "compiled", seconds)
+    return callables, records
+
+
+# ----------------------------------------------------------------------------------- accounting
+def dynamo_trace_seconds() -> float | None:
+    """Seconds since Dynamo started compiling this frame (its trace), when torch exposes it."""
+    try:
+        metrics = torch._dynamo.utils.get_metrics_context()
+        start_ns = int(metrics._start_time_ns) if metrics.in_progress() else 0
+    except Exception:  # a torch without the metrics context: not obtainable
+        return None
+    return (time.time_ns() - start_ns) / 1e9 if start_ns > 0 else None
+
+
+def compile_times(
+    dynamo_seconds: float | None, ctx: PassContext, records: Sequence[SegmentCompile]
+) -> dict[str, float]:
+    """Seconds by phase, also logged: ``dynamo_trace`` (when obtainable), ``passes`` and
+    ``pass.<name>``, and ``segment_compile`` (the segments compiled here; reused ones cost nothing).
+    Per-segment detail is in ``records``."""
+    times = {"passes": sum(ctx.pass_times.values())}
+    if dynamo_seconds is not None:
+        times["dynamo_trace"] = dynamo_seconds
+    times.update({f"pass.{k}": v for k, v in ctx.pass_times.items()})
+    times["segment_compile"] = sum(r.seconds for r in records)
+    compiled = [r for r in records if not r.reused]
+    log.info("%s: compile times: dynamo trace %s, passes %.2f s, segment compile %.2f s "
+             "(%d graph segments: %d compiled, %d reused)", ctx.graph_name,
+             "n/a" if dynamo_seconds is None else f"{dynamo_seconds:.2f} s", times["passes"],
+             times["segment_compile"], len(records), len(compiled), len(records) - len(compiled))
+    for r in compiled:
+        log.info("%s:   compiled %s (%s, key %s%s) in %.2f s", ctx.graph_name, r.segment, r.compiler,
+                 r.key, f", sizes {list(r.sizes)}" if r.sizes else "", r.seconds)
+    return times

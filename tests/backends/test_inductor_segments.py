@@ -1,0 +1,99 @@
+"""``segment_compiler="inductor"`` on reference stages: equal to eager at every token count, one compile
+per distinct segment serving every bucket, artifacts shared by identical layers and across stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stage_helpers import check, graphed_runtime, run
+
+import ppcompile
+from ppcompile.backends import segment_compilers
+from ppcompile.models import REFERENCE_CONFIGS, make_stage
+
+PP = 4
+CFG = REFERENCE_CONFIGS["small-dense"].replace(num_layers=12)  # 3 layers a stage: 4 graph segments
+SIZES = [4, 8, 16, 32, 64]
+OPTIONS = {"segment_compiler": "inductor", "capture_sizes": SIZES}
+GRAPH_SEGMENTS = 4  # before layer 1's attention, between attentions (x2), after the last one
+UNIQUE = 3  # first, middle, last
+
+
+def test_every_token_count_matches_eager_with_one_compile_per_distinct_segment() -> None:
+    stage = make_stage(CFG, 1, PP)
+    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=OPTIONS)
+    c = ppcompile.counters
+    with c.expect(backend_compiles=1, segment_compiles=UNIQUE, segment_cache_hits=GRAPH_SEGMENTS - UNIQUE,
+                  replays_by_bucket={16: 1}):
+        check(stage, compiled, CFG, 1, PP, 16)  # a bucket exactly
+    runtime = graphed_runtime()
+    records = runtime.segment_compiles  # type: ignore[attr-defined]
+    assert [r.reused for r in records] == [False, False, True, False]
+    assert records[1].key == records[2].key and len({r.key for r in records}) == UNIQUE
+    assert all(r.seconds > 0 for r in records if not r.reused)
+    times = runtime.compile_times  # type: ignore[attr-defined]
+    assert times["segment_compile"] == sum(r.seconds for r in records) > 0
+    assert {"passes", "pass.split_at_breaks"} <= set(times)
+    # Every other bucket, bucket + 1 and above the cap: no new compile of any kind.
+    with c.expect(backend_compiles=0, segment_compiles=0, replays_by_bucket={4: 1, 8: 1, 32: 2, 64: 1},
+                  eager_runs=1):
+        for n in (3, 8, 17, 32, 64, 70):
+            check(stage, compiled, CFG, 1, PP, n)
+    # One token: Dynamo specialises the token dim to 1, a static graph that runs eagerly.
+    with c.expect(segment_compiles=0, eager_runs=1, replays=0):
+        check(stage, compiled, CFG, 1, PP, 1)
+
+
+def test_identical_stages_share_artifacts_and_bind_their_own_weights() -> None:
+    stages = [make_stage(CFG, rank, PP) for rank in (1, 2)]
+    compiled = [torch.compile(s, backend="pp_breakable", dynamic=True, options=OPTIONS) for s in stages]
+    c = ppcompile.counters
+    with c.expect(segment_compiles=UNIQUE):
+        check(stages[0], compiled[0], CFG, 1, PP, 24)
+    first = graphed_runtime().segment_compiles  # type: ignore[attr-defined]
+    with c.expect(backend_compiles=1, segment_compiles=0, segment_cache_hits=GRAPH_SEGMENTS):
+        check(stages[1], compiled[1], CFG, 2, PP, 24)
+    second = graphed_runtime().segment_compiles  # type: ignore[attr-defined]
+    assert [r.key for r in first] == [r.key for r in second]
+    assert all(r.reused and r.seconds == 0 for r in second)
+    for n in (5, 64):  # both stages still right after each other's calls
+        check(stages[0], compiled[0], CFG, 1, PP, n)
+        check(stages[1], compiled[1], CFG, 2, PP, n)
+
+
+def test_dedup_off_compiles_every_graph_segment() -> None:
+    stage = make_stage(CFG, 1, PP)
+    options = {**OPTIONS, "dedup_segments": False}
+    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=options)
+    with ppcompile.counters.expect(segment_compiles=GRAPH_SEGMENTS, segment_cache_hits=0):
+        check(stage, compiled, CFG, 1, PP, 16)
+    records = graphed_runtime().segment_compiles  # type: ignore[attr-defined]
+    assert not any(r.reused for r in records)
+    assert records[1].key == records[2].key  # the same structure, compiled twice on request
+
+
+def test_a_failing_segment_compile_names_the_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(gm: torch.fx.GraphModule) -> None:
+        raise NotImplementedError("no lowering for this op")
+
+    monkeypatch.setattr(segment_compilers, "_compile_symbolic", fail)
+    stage = make_stage(CFG, 1, PP)
+    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, fullgraph=True, options=OPTIONS)
+    with pytest.raises(Exception, match=r"inductor failed to compile graph segment submod_0 of "
+                                        r"stage_graph_\S+ \(key [0-9a-f]{16}\): NotImplementedError: "
+                                        r"no lowering for this op\. Set options=\{'segment_compiler'"):
+        run(stage, compiled, CFG, 1, PP, 16)
+
+
+def test_an_artifact_whose_compile_added_guards_stays_in_its_stage_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inductor's shape guards are installed for the Dynamo graph that compiled: pretend every compile
+    added one, and the artifacts are shared within that graph only."""
+    calls = iter(range(10**6))
+    monkeypatch.setattr(segment_compilers, "_shape_facts", lambda env: (next(calls), 0, 0))
+    stages = [make_stage(CFG, rank, PP) for rank in (1, 2)]
+    compiled = [torch.compile(s, backend="pp_breakable", dynamic=True, options=OPTIONS) for s in stages]
+    for rank, stage, comp in zip((1, 2), stages, compiled):
+        with ppcompile.counters.expect(segment_compiles=UNIQUE, segment_cache_hits=GRAPH_SEGMENTS - UNIQUE):
+            check(stage, comp, CFG, rank, PP, 16)
