@@ -38,20 +38,7 @@ CASES: list[tuple[list[int], int | None]] = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is faster and immune to oversubscription on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
 
 
 def assert_close(got: Any, want: Any, what: str) -> None:
