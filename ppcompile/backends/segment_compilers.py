@@ -37,6 +37,7 @@ import sympy
 import torch
 
 from ppcompile.counters import counters
+from ppcompile.debug.progress import Progress
 from ppcompile.passes.context import PassContext
 from ppcompile.records import InputKind
 from ppcompile.symbolic import example_value, size_expr
@@ -384,7 +385,11 @@ def compile_segments(
     inductor_config = _inductor_config_hash() if config.segment_compiler == "inductor" else ""
     callables: dict[str, SegmentFn] = {}
     records: list[SegmentCompile] = []
-    for node in split.graph.find_nodes(op="call_module"):
+    calls = list(split.graph.find_nodes(op="call_module"))
+    compiled_here = config.segment_compiler != "eager" and not ctx.is_static
+    to_compile = sum(n.meta["pp_segment"].is_graph for n in calls) if compiled_here else 0
+    progress = Progress(f"pp_breakable segment compile {ctx.graph_name}", to_compile, "segments")
+    for node in calls:
         name = str(node.target)
         sub = getattr(split, name)
         graphed = node.meta["pp_segment"].is_graph and not ctx.is_static
@@ -400,6 +405,7 @@ def compile_segments(
         except torch._dynamo.exc.RestartAnalysis:
             raise  # Dynamo's own protocol: it re-traces and calls the backend again
         except Exception as e:
+            progress.abort()
             raise RuntimeError(
                 f"pp_breakable: {compiler} failed to compile graph segment {name} of {ctx.graph_name} "
                 f"(key {key}): {type(e).__name__}: {e}. Set options={{'segment_compiler': 'eager'}} to run "
@@ -407,8 +413,12 @@ def compile_segments(
             ) from e
         callables[name] = fn
         records.append(SegmentCompile(name, key, compiler, seconds, reused, done))
+        progress.advance(note="reused" if reused else f"compiled in {seconds:.1f} s")
         log.debug("%s: segment %s key %s %s in %.2f s", ctx.graph_name, name, key,
                   "reused" if reused else "compiled", seconds)
+    if to_compile:
+        fresh = sum(not r.reused for r in records)
+        progress.finish(f"{fresh} compiled, {len(records) - fresh} reused in {progress.elapsed_s:.2f} s")
     return callables, records
 
 

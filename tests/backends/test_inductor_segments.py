@@ -3,6 +3,8 @@ per distinct segment serving every bucket, artifacts shared by identical layers 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from stage_helpers import check, graphed_runtime, run
@@ -97,3 +99,16 @@ def test_an_artifact_whose_compile_added_guards_stays_in_its_stage_graph(
     for rank, stage, comp in zip((1, 2), stages, compiled):
         with ppcompile.counters.expect(segment_compiles=UNIQUE, segment_cache_hits=GRAPH_SEGMENTS - UNIQUE):
             check(stage, comp, CFG, rank, PP, 16)
+
+
+def test_segment_compile_reports_progress(caplog: pytest.LogCaptureFixture) -> None:
+    """Long compiles say what they did: one progress line per stage graph (no terminal: a log line)."""
+    stage = make_stage(CFG, 1, PP)
+    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=OPTIONS)
+    with caplog.at_level("INFO", logger="ppcompile"):
+        check(stage, compiled, CFG, 1, PP, 16)
+    pattern = re.compile(r"segment compile .*: (\d+) compiled, (\d+) reused")
+    found = [pattern.search(r.getMessage()) for r in caplog.records]
+    counts = [(int(m[1]), int(m[2])) for m in found if m]
+    # One line per backend call (Dynamo may call it again after a restart); the cache is process-wide.
+    assert counts and all(compiled + reused == GRAPH_SEGMENTS for compiled, reused in counts), counts
