@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+from collections.abc import Callable
 
 import sympy
 import torch
@@ -115,6 +116,34 @@ def _extend(reason: BreakReason, node: torch.fx.Node) -> BreakReason:
     return reason if name in ops else dataclasses.replace(reason, op=f"{reason.op}, {name}")
 
 
+def _vmap_regions(
+    gm: torch.fx.GraphModule, reason_of: Callable[[torch.fx.Node], BreakReason | None]
+) -> dict[torch.fx.Node, tuple[torch.fx.Node, BreakReason]]:
+    """Nodes of each ``torch.vmap`` region (Dynamo inlines one as ``_vmap_increment_nesting`` ...
+    ``_vmap_decrement_nesting``) that holds a break, mapped to the region's first node and one reason.
+
+    A region cannot be cut: a segment boundary inside it would run copies at the wrong vmap level. So
+    a region with any break becomes one break as a whole.
+    """
+    regions: dict[torch.fx.Node, tuple[torch.fx.Node, BreakReason]] = {}
+    members: list[torch.fx.Node] = []
+    depth = 0
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        depth += name == "_vmap_increment_nesting"
+        if depth:
+            members.append(node)
+        depth -= name == "_vmap_decrement_nesting"
+        if members and depth == 0:
+            found = [r for r in map(reason_of, members) if r is not None]
+            if found:
+                ops = ", ".join(dict.fromkeys(_op_name(n) for n in members if n.op.startswith("call_")))
+                reason = dataclasses.replace(found[0], op=f"torch.vmap region ({ops})")
+                regions.update({n: (members[0], reason) for n in members})
+            members = []
+    return regions
+
+
 def _has_tensor_output(submod: torch.fx.GraphModule) -> bool:
     (out,) = submod.graph.find_nodes(op="output")
     values = torch.fx.node.map_arg(out.args, lambda n: n)
@@ -147,8 +176,17 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     layer_ids: dict[int, tuple[int, ...]] = {}
     part = 0
     current_is_break = False
+    regions = _vmap_regions(gm, lambda n: _break_reason(n, ctx, attention, user, host))
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
+            continue
+        if node in regions:  # a vmap region with a break: one break partition for all of it
+            start, region_reason = regions[node]
+            if node is start:
+                part += 1
+                reasons[part] = region_reason
+                current_is_break = True
+            partition[node] = part
             continue
         if node.op == "call_function" and node.target is operator.getitem and node.args[0] in partition:
             parent = partition[node.args[0]]

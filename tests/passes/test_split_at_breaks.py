@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from attention_modules import Attn, attention_context
 from fx_helpers import dynamo_graph, make_ctx, run_until
 
+import ppcompile
 from ppcompile.passes.split_at_breaks import split_at_breaks
 from ppcompile.records import BreakKind, Segment
 
@@ -243,3 +244,25 @@ def test_indexing_a_break_output_is_not_pinned_to_the_break() -> None:
         for n in (6, 7):
             x = torch.randn(n, 4)
             torch.testing.assert_close(compiled(x), m(x))
+
+
+class _VmapMask(torch.nn.Module):
+    """A causal mask built with torch.vmap (as transformers 4.x does): a region that cannot be cut."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.arange(x.shape[0])
+        mask = torch.vmap(lambda i: t <= i)(t)
+        return (mask.float() @ x) * 2
+
+
+def test_a_vmap_region_with_a_break_is_one_break() -> None:
+    torch._dynamo.reset()
+    m = _VmapMask()
+    compiled = torch.compile(m, backend="pp_breakable", dynamic=True, options={"capture_sizes": [4, 8]})
+    with torch.inference_mode():
+        for n in (6, 7):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(compiled(x), m(x))
+    runtime = ppcompile.stage_runtimes()[-1]
+    vmap_breaks = [r for r in runtime.break_reasons if r.op.startswith("torch.vmap region")]
+    assert len(vmap_breaks) == 1 and "_vmap_decrement_nesting" in vmap_breaks[0].op, runtime.describe()
