@@ -9,13 +9,23 @@ from ppcompile import envs
 from ppcompile.backends.pp_breakable import pp_breakable, stage_runtimes
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
+from ppcompile.passes.check_padding_safety import PaddingSafetyError
 from ppcompile.passes.op_matching import register_attention_op
 from ppcompile.passes.token_locality import register_token_local_op
 from ppcompile.proxy import PPProxyTensors
+from ppcompile.runtime.executors import ReplayAddressError
+from ppcompile.runtime.stage_runtime import ConcurrentCallError
+from ppcompile.runtime.stale_outputs import StaleOutputError
+from ppcompile.runtime.validation import InputMismatchError
 
 __all__ = [
+    "ConcurrentCallError",
+    "InputMismatchError",
     "PPBreakableConfig",
     "PPProxyTensors",
+    "PaddingSafetyError",
+    "ReplayAddressError",
+    "StaleOutputError",
     "counters",
     "pp_breakable",
     "register_attention_op",
