@@ -124,6 +124,23 @@ def _path_column(paths: Sequence[str], buckets: Sequence[int | None]) -> tuple[s
     return path, ",".join(map(str, sorted({b for b in buckets if b is not None}))) or "-"
 
 
+def _print_table_header(time_label: str) -> None:
+    header = (f"{'#':>3} {'tokens':>7} {'seqs':>4}  {'path (per stage)':<26} {'bucket':>6} "
+              f"{'max|diff|':>10} {'eager ms':>9} {time_label:>9}  note")
+    print(header)
+    print("-" * len(header))
+
+
+def _timed_eager(
+    eager: InProcessPipeline, ids: torch.Tensor | None, pos: torch.Tensor, lens: list[int]
+) -> tuple[torch.Tensor, float]:
+    """The eager pipeline's logits for one batch and the milliseconds they took."""
+    with torch.inference_mode():
+        t = time.perf_counter()
+        want = eager(ids, pos, lens)
+        return want, 1e3 * (time.perf_counter() - t)
+
+
 def _paths(pipe: InProcessPipeline) -> tuple[str, str]:
     return _path_column([t.path if t else "?" for t in pipe.traces],
                         [t.bucket if t else None for t in pipe.traces])
@@ -185,17 +202,12 @@ def run_demo(args: argparse.Namespace) -> int:
     for rt in stage_runtimes():
         if not rt.eager_reason:
             print(rt.describe())
-    header = (f"{'#':>3} {'tokens':>7} {'seqs':>4}  {'path (per stage)':<26} {'bucket':>6} "
-              f"{'max|diff|':>10} {'eager ms':>9} {'pp_brk ms':>9}  note")
-    print(header)
-    print("-" * len(header))
+    _print_table_header("pp_brk ms")
     failures = 0
     for i, lens in enumerate(setup.batches):
         ids, pos, _ = make_batch(cfg, lens, 0, pp, seed=args.seed + i)
+        want, eager_ms = _timed_eager(eager, ids, pos, lens)
         with torch.inference_mode():
-            t = time.perf_counter()
-            want = eager(ids, pos, lens)
-            eager_ms = 1e3 * (time.perf_counter() - t)
             compiles = counters.backend_compiles
             t = time.perf_counter()
             got = graphed(ids, pos, lens)
@@ -288,17 +300,11 @@ def _report(args: argparse.Namespace, setup: _Setup, world: int, gathered: list[
         for text in g[2]:
             print(f"[rank {rank}] {text}")
     eager = InProcessPipeline(cfg, world, compiled=False)
-    header = (f"{'#':>3} {'tokens':>7} {'seqs':>4}  {'path (per stage)':<26} {'bucket':>6} "
-              f"{'max|diff|':>10} {'eager ms':>9} {'stage ms':>9}  note")
-    print(header)
-    print("-" * len(header))
+    _print_table_header("stage ms")
     failures = 0
     for i, lens in enumerate(setup.batches):
         ids, pos, _ = make_batch(cfg, lens, 0, world, seed=args.seed + i)
-        with torch.inference_mode():
-            t = time.perf_counter()
-            want = eager(ids, pos, lens)
-            eager_ms = 1e3 * (time.perf_counter() - t)
+        want, eager_ms = _timed_eager(eager, ids, pos, lens)
         diff = (want.float() - logits[i]).abs().max().item()
         rows = [g[0][i] for g in gathered]
         path, bucket = _path_column([r[0] for r in rows], [r[1] for r in rows])
