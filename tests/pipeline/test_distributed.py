@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from stage_doubles import EmbedsFirstStage
 
 import ppcompile
 from ppcompile.__main__ import main as ppcompile_cli
-from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, PPStage, make_batch, make_stage
+from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, make_batch, make_stage
 from ppcompile.pipeline import DistributedStage, InProcessPipeline, ProxySpec, RankError, spawn_ranks
 from ppcompile.pipeline.distributed import ProxyField
 
@@ -49,21 +49,6 @@ def _reference(cfg: ModelConfig, world: int, stream: list[list[int]]) -> list[to
             ids, pos, _ = make_batch(cfg, lens, 0, world, seed=i)
             out.append(eager(ids, pos, lens).clone())
     return out
-
-
-class EmbedsFirstStage(nn.Module):
-    """A first stage whose forward takes ``inputs_embeds`` (no ``input_ids``, no ``pp_proxy_tensors``)."""
-
-    def __init__(self, inner: PPStage) -> None:
-        super().__init__()
-        self.inner = inner
-        self.start_layer, self.end_layer = inner.start_layer, inner.end_layer
-
-    def forward(self, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
-        hidden, residual = inputs_embeds, None
-        for i in range(self.start_layer, self.end_layer):
-            hidden, residual = self.inner.layers[i](positions, hidden, residual)
-        return {"hidden_states": hidden, "residual": residual}
 
 
 def _pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

@@ -6,10 +6,11 @@ from typing import Any
 
 import pytest
 import torch
+from stage_doubles import EmbedsFirstStage
 from torch import nn
 
 import ppcompile
-from ppcompile.models import REFERENCE_CONFIGS, PPStage, make_batch, make_stage
+from ppcompile.models import REFERENCE_CONFIGS, make_batch, make_stage
 from ppcompile.pipeline import InProcessPipeline, StageBinding
 
 CFG = REFERENCE_CONFIGS["tiny"]
@@ -29,21 +30,6 @@ class NoProxyStage(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         return self.inner(input_ids, positions)
-
-
-class EmbedsFirstStage(nn.Module):
-    """A first stage that takes ``inputs_embeds`` instead of ``input_ids`` (layers of ``inner``)."""
-
-    def __init__(self, inner: PPStage) -> None:
-        super().__init__()
-        self.inner = inner
-        self.start_layer, self.end_layer = inner.start_layer, inner.end_layer
-
-    def forward(self, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
-        hidden, residual = inputs_embeds, None
-        for i in range(self.start_layer, self.end_layer):
-            hidden, residual = self.inner.layers[i](positions, hidden, residual)
-        return {"hidden_states": hidden, "residual": residual}
 
 
 def test_binding_reads_signature() -> None:
