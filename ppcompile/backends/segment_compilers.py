@@ -302,6 +302,15 @@ def compile_segment(gm: torch.fx.GraphModule, compiler: str) -> SegmentFn:
     raise ValueError(f"pp_breakable: unknown segment compiler {compiler!r}; valid: 'eager' | 'inductor'")
 
 
+def _generated_forward(gm: torch.fx.GraphModule) -> SegmentFn:
+    """``gm``'s generated ``forward`` itself: called per break segment per forward, it skips the
+    ``nn.Module.__call__`` machinery (hooks, lazy-recompile check), a few microseconds per call."""
+    real_recompile = getattr(gm, "real_recompile", None)  # a lazy GraphModule generates its code now
+    if real_recompile is not None:
+        real_recompile()
+    return gm.forward
+
+
 def _input_kinds(
     node: torch.fx.Node, placeholders: Mapping[torch.fx.Node, int], ctx: PassContext
 ) -> list[str]:
@@ -395,7 +404,7 @@ def compile_segments(
         graphed = node.meta["pp_segment"].is_graph and not ctx.is_static
         compiler = config.segment_compiler if graphed else "eager"
         if compiler == "eager":
-            callables[name] = sub
+            callables[name] = _generated_forward(sub)
             continue
         sizes = tuple(config.compile_sizes)
         options = {"compiler": compiler, "compile_sizes": sizes, "inductor_config": inductor_config}
