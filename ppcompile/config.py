@@ -20,7 +20,7 @@ DEFAULT_MAX_CAPTURE_TOKENS = 8192
 """Last size where the seed engine change measured graphs ahead of eager on a PP stage."""
 
 SEGMENT_COMPILERS = ("eager", "inductor")
-GRAPH_MODES = ("auto", "cuda", "emulate", "eager")
+GRAPH_MODES = ("auto", "cuda", "emulate", "eager", "none")
 ON_UNSAFE = ("break", "error")
 
 
@@ -41,8 +41,9 @@ class PPBreakableConfig:
         dedup_segments: share one compile among segments of the same structure (the same layer
             repeated), across the stages of the process too. Off only to debug the sharing.
         graph_mode: ``"cuda"`` (CUDA graphs), ``"emulate"`` (CPU emulation of graph semantics),
-            ``"eager"`` (same static-buffer path, no graphs) or ``"auto"`` (cuda on CUDA tensors, else
-            emulate).
+            ``"eager"`` (same static-buffer path, no graphs), ``"none"`` (no graphs, buckets or static
+            buffers: the compiled segments run at the live token count) or ``"auto"`` (cuda on CUDA
+            tensors, else emulate).
         max_padding_factor: a forward whose bucket exceeds this times its token count runs eagerly.
         on_unsafe: what to do with a graphed op that mixes token rows (so padding could leak):
             ``"break"`` runs it eagerly on live rows, ``"error"`` fails the compile naming it.

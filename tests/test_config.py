@@ -49,7 +49,7 @@ GOOD: dict[str, list[Any]] = {
     "segment_compiler": ["eager", "inductor"],
     "compile_sizes": [[], ()],  # non-empty needs segment_compiler="inductor": tests/backends
     "dedup_segments": [True, False],
-    "graph_mode": ["auto", "cuda", "emulate", "eager"],
+    "graph_mode": ["auto", "cuda", "emulate", "eager", "none"],
     "max_padding_factor": [1, 1.0, 4.5],
     "dump_dir": [None, "/tmp/dumps"],
     "debug": [True, False],

@@ -134,7 +134,8 @@ class StageRuntime:
         if not ctx.eligible:
             return ctx.ineligible_reason
         if self.graph_mode == "none":
-            return "graphs are off"
+            return ("graph_mode='none': the segments run at the live token count, with no graphs, "
+                    "padding or static buffers")
         kinds = ctx.input_kinds
         for st in self.program.steps:
             if not st.segment.is_graph:

@@ -39,8 +39,10 @@ def check(stage: PPStage, compiled: Any, cfg: ModelConfig, rank: int, pp: int, n
     assert_close(got, want, f"stage {rank} at {n} tokens")
 
 
-def graphed_runtime() -> StageRuntime:
-    """The newest runtime that serves forwards with graphs (not a static 1-token one)."""
-    runtimes = [rt for rt in ppcompile.stage_runtimes() if rt.eager_reason is None]
+def graphed_runtime(allow_graphless: bool = False) -> StageRuntime:
+    """The newest runtime that serves forwards with graphs (not a static 1-token one); with
+    ``allow_graphless``, also one compiled with ``graph_mode="none"``."""
+    runtimes = [rt for rt in ppcompile.stage_runtimes()
+                if rt.eager_reason is None or (allow_graphless and rt.graph_mode == "none")]
     assert runtimes, "no graphed stage runtime was built"
     return runtimes[-1]

@@ -46,6 +46,21 @@ def test_every_token_count_matches_eager_with_one_compile_per_distinct_segment()
         check(stage, compiled, CFG, 1, PP, 1)
 
 
+def test_graph_mode_none_runs_the_compiled_segments_at_live_size() -> None:
+    """No graphs, buckets or static buffers: the Inductor segments themselves serve every count."""
+    stage = make_stage(CFG, 1, PP)
+    options = {**OPTIONS, "graph_mode": "none"}
+    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=options)
+    c = ppcompile.counters
+    with c.expect(segment_compiles=UNIQUE, replays=0, captures=0, eager_runs=1):
+        check(stage, compiled, CFG, 1, PP, 16)
+    runtime = graphed_runtime(allow_graphless=True)
+    assert runtime.graph_mode == "none" and runtime._states == {}
+    with c.expect(backend_compiles=0, segment_compiles=0, replays=0, captures=0, eager_runs=3):
+        for n in (17, 64, 70):  # a bucket + 1, the cap, above the cap
+            check(stage, compiled, CFG, 1, PP, n)
+
+
 def test_identical_stages_share_artifacts_and_bind_their_own_weights() -> None:
     stages = [make_stage(CFG, rank, PP) for rank in (1, 2)]
     compiled = [torch.compile(s, backend="pp_breakable", dynamic=True, options=OPTIONS) for s in stages]

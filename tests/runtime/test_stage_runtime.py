@@ -144,6 +144,19 @@ def test_graph_modes_match_eager_across_token_counts(mode: str) -> None:
     assert counters.replays == 9 and counters.replays_by_bucket == {4: 3, 8: 3, 16: 3}
 
 
+def test_graph_mode_none_runs_segments_at_live_size_without_buffers() -> None:
+    m = Stage()
+    c = _compile(m, graph_mode="none")
+    counts = [5, 1, 4, 8, 9, 16, 17, 40]  # inside, at and one past buckets, above the cap
+    with counters.expect(replays=0, captures=0, eager_runs=len(counts), replays_by_bucket={}):
+        for i, n in enumerate(counts):
+            _check(c, m, n, seed=i)
+    rt = _runtime()
+    assert rt.graph_mode == "none" and "graph_mode='none'" in (rt.eager_reason or "")
+    assert rt._states == {}  # no static buffers, no executor: nothing was allocated for graphs
+    assert seen_rows[-1] == 40  # break ops see the live rows, nothing padded
+
+
 def test_structure_and_describe() -> None:
     m = Stage()
     c = _compile(m)
