@@ -9,6 +9,7 @@ from ppcompile import envs
 from ppcompile.backends.pp_breakable import pp_breakable, stage_runtimes
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
+from ppcompile.dynamic import mark_token_dynamic
 from ppcompile.passes.check_padding_safety import PaddingSafetyError
 from ppcompile.passes.op_matching import register_attention_op
 from ppcompile.passes.token_locality import register_token_local_op
@@ -27,6 +28,7 @@ __all__ = [
     "ReplayAddressError",
     "StaleOutputError",
     "counters",
+    "mark_token_dynamic",
     "pp_breakable",
     "register_attention_op",
     "register_token_local_op",

@@ -1,0 +1,53 @@
+"""Marking token dims dynamic: the cheaper way to give Dynamo a symbolic token count.
+
+``torch.compile(stage, dynamic=True)`` makes every size symbolic, and also passes every float attribute
+of the stage's modules (an RMSNorm's ``eps``, two per decoder layer) as a 0-d tensor graph input that
+Dynamo builds and guards on each call. On a 32-layer stage that is about 1 ms of host time per forward
+(docs/benchmarks.md), for pp_breakable and whole-graph Inductor alike. Marking only the token dims of
+the first call's inputs (``torch._dynamo.mark_dynamic``, as vLLM does) gives the same symbolic token
+count, keeps those floats constants, and keeps other dims static (no duck sizing against the hidden
+size either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["mark_token_dynamic"]
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def mark_token_dynamic(*values: Any, dim: int = 0) -> int:
+    """Marks ``dim`` (the token dim) of every tensor in ``values`` dynamic for Dynamo's next trace.
+
+    ``values`` may hold tensors, mappings (a ``dict`` or ``PPProxyTensors`` of proxies), lists and
+    tuples of them, and anything else (``None``, ints), which is skipped. Call it on the first call's
+    inputs before that call; Dynamo's dynamic graph then serves every later token count. Tensors with
+    no dim ``dim`` are skipped. Returns how many tensors were marked.
+
+    Example::
+
+        ppcompile.mark_token_dynamic(input_ids, positions, proxies)
+        out = compiled(input_ids, positions, pp_proxy_tensors=proxies)
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        raise ValueError(f"mark_token_dynamic: dim must be a non-negative int, got {dim!r}")
+    marked = 0
+    for t in _tensors(values):
+        if t.dim() > dim:
+            torch._dynamo.mark_dynamic(t, dim)
+            marked += 1
+    return marked

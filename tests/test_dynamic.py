@@ -1,0 +1,90 @@
+"""``mark_token_dynamic``: a symbolic token count without ``dynamic=True``'s per-call float inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import ppcompile
+from ppcompile.models import (
+    REFERENCE_CONFIGS,
+    make_batch,
+    make_forward_context,
+    make_stage,
+    set_forward_context,
+)
+from ppcompile.runtime.stage_runtime import StageRuntime
+
+PP = 4
+CFG = REFERENCE_CONFIGS["small-dense"].replace(num_layers=8)
+SIZES = [4, 8, 16, 32, 64]
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _dynamic_dims(t: torch.Tensor) -> set[int]:
+    return set(getattr(t, "_dynamo_dynamic_indices", set()))
+
+
+def test_marks_the_token_dim_of_every_tensor_it_finds() -> None:
+    ids, pos = torch.zeros(5, dtype=torch.long), torch.arange(5)
+    proxies = ppcompile.PPProxyTensors({"hidden_states": torch.zeros(5, 8), "residual": torch.zeros(5, 8)})
+    nested = {"topk": [torch.zeros(5, 2, dtype=torch.int32)], "scale": torch.tensor(1.0)}
+    assert ppcompile.mark_token_dynamic(ids, None, pos, proxies, nested, 3) == 5
+    for t in (ids, pos, *proxies.values(), nested["topk"][0]):  # type: ignore[index]
+        assert _dynamic_dims(t) == {0}
+    assert _dynamic_dims(nested["scale"]) == set()  # a 0-d tensor has no token dim: skipped
+    x = torch.zeros(2, 7)
+    assert ppcompile.mark_token_dynamic([x], dim=1) == 1 and _dynamic_dims(x) == {1}
+
+
+@pytest.mark.parametrize("dim", [-1, 1.0, True, "0"])
+def test_a_bad_dim_is_a_clear_error(dim: object) -> None:
+    with pytest.raises(ValueError, match="mark_token_dynamic: dim must be a non-negative int"):
+        ppcompile.mark_token_dynamic(torch.zeros(3), dim=dim)  # type: ignore[arg-type]
+
+
+def _run(stage: torch.nn.Module, fn: object, n: int, mark: bool) -> dict[str, torch.Tensor]:
+    _, pos, proxies = make_batch(CFG, [n], 1, PP, seed=n)
+    if mark:
+        ppcompile.mark_token_dynamic(pos, proxies)
+    layers = range(stage.start_layer, stage.end_layer)  # type: ignore[arg-type]
+    with torch.inference_mode(), set_forward_context(make_forward_context([n], CFG, layers)):
+        return fn(None, pos, pp_proxy_tensors=proxies)  # type: ignore[operator, no-any-return]
+
+
+def _runtime() -> StageRuntime:
+    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
+
+
+def test_marked_stage_graphs_from_its_first_call_and_keeps_floats_constant() -> None:
+    stage = make_stage(CFG, 1, PP)
+    compiled = torch.compile(stage, backend="pp_breakable", options={"capture_sizes": SIZES})
+    n0 = CFG.hidden_size  # equal to the hidden size: no duck sizing with marked dims
+    c = ppcompile.counters
+    with c.expect(backend_compiles=1, replays=1):
+        got, want = _run(stage, compiled, n0, True), _run(stage, stage, n0, False)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    rt = _runtime()
+    assert rt.eager_reason is None
+    assert rt._scalar_slots == ()  # the RMSNorm eps values are constants in the graph, not inputs
+    # Later calls need no marking: the dynamic graph serves them (1 token is Dynamo's own static graph).
+    with c.expect(backend_compiles=1, replays=2, eager_runs=2):
+        for n in (1, 16, 17, 70):
+            torch.testing.assert_close(_run(stage, compiled, n, False), _run(stage, stage, n, False),
+                                       atol=1e-5, rtol=0)
+
+
+def test_dynamic_true_passes_the_float_attributes_as_inputs() -> None:
+    """What the marking avoids: ``dynamic=True`` lifts every RMSNorm eps into a per-call graph input."""
+    stage = make_stage(CFG, 1, PP)
+    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options={"capture_sizes": SIZES})
+    _run(stage, compiled, 16, False)
+    assert len(_runtime()._scalar_slots) == 2 * (stage.end_layer - stage.start_layer)
