@@ -42,6 +42,10 @@ class Step:
     live_views: tuple[int, ...] = ()  # graph tensor outputs that breaks or callers read at live size
     live_values: tuple[int, ...] = ()  # graph non-tensor outputs (numbers) that breaks or callers read
     bridges: tuple[int, ...] = ()  # break outputs that graphs read through a static bridge
+    # Precomputed for the per-call loops: every argument's slot when none is a size (else None), and
+    # (output index, slot) for the outputs someone reads.
+    arg_slots: tuple[int, ...] | None = None
+    writes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +110,10 @@ def build_program(
             index=len(steps),
             segment=segment,
             fn=fn if multi else _unwrap_single(fn),
-            args=tuple(ref(a) for a in node.args),
+            args=(refs := tuple(ref(a) for a in node.args)),
             out_slots=tuple(out_slots),
+            arg_slots=None if any(r.size is not None for r in refs) else tuple(r.slot for r in refs),
+            writes=tuple((i, s) for i, s in enumerate(out_slots) if s >= 0),
         ))
 
     (output,) = split.graph.find_nodes(op="output")

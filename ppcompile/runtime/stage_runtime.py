@@ -238,10 +238,11 @@ class StageRuntime:
         step = None
         try:
             for step in self.program.steps:
-                outs = step.fn(*[live[r.slot] if r.size is None else r.size(env) for r in step.args])
-                for s, o in zip(step.out_slots, outs):
-                    if s >= 0:
-                        live[s] = o
+                slots = step.arg_slots
+                outs = step.fn(*([live[s] for s in slots] if slots is not None else
+                                 [live[r.slot] if r.size is None else r.size(env) for r in step.args]))
+                for i, s in step.writes:
+                    live[s] = outs[i]
         except BaseException as e:
             where = f"segment {step.segment.name}" if step is not None else "setup"
             _add_note(e, f"pp_breakable: raised in {where} of {self.name}, run eagerly")
@@ -280,18 +281,18 @@ class StageRuntime:
                     )
                     outs: Sequence[Any] = executor.replay((step.index, b), sargs)
                     if not executor.binds_inputs:
-                        for s, o in zip(step.out_slots, outs):
-                            if s >= 0:
-                                static[s] = o
+                        for i, s in step.writes:
+                            static[s] = outs[i]
                     for s in step.live_views:
                         live[s] = narrow_to(static[s], token_dims.get(s, ()), env_n)
                     for s in step.live_values:
                         live[s] = static[s]
                 else:
-                    outs = step.fn(*[live[r.slot] if r.size is None else r.size(env_n) for r in step.args])
-                    for s, o in zip(step.out_slots, outs):
-                        if s >= 0:
-                            live[s] = o
+                    slots = step.arg_slots
+                    outs = step.fn(*([live[s] for s in slots] if slots is not None else
+                                     [live[r.slot] if r.size is None else r.size(env_n) for r in step.args]))
+                    for i, s in step.writes:
+                        live[s] = outs[i]
                     for s in step.bridges:
                         copy_in(state.bridge_buffers[s], live[s], token_dims.get(s, ()), env_n, env_b)
         except BaseException as e:
