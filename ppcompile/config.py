@@ -40,6 +40,8 @@ class PPBreakableConfig:
             compile of every graph segment, used at exactly those token counts. Each must be a bucket.
         dedup_segments: share one compile among segments of the same structure (the same layer
             repeated), across the stages of the process too. Off only to debug the sharing.
+        inductor_config: with ``segment_compiler="inductor"``, ``torch._inductor.config`` settings
+            applied to every segment compile (``config_patches``), e.g. ``{"cpp_wrapper": True}``.
         graph_mode: ``"cuda"`` (CUDA graphs), ``"emulate"`` (CPU emulation of graph semantics),
             ``"eager"`` (same static-buffer path, no graphs), ``"none"`` (no graphs, buckets or static
             buffers: the compiled segments run at the live token count) or ``"auto"`` (cuda on CUDA
@@ -61,6 +63,7 @@ class PPBreakableConfig:
     segment_compiler: str = "eager"
     compile_sizes: tuple[int, ...] = ()
     dedup_segments: bool = True
+    inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     graph_mode: str = "auto"
     max_padding_factor: float = 2.0
     on_unsafe: str = "break"
@@ -85,6 +88,7 @@ class PPBreakableConfig:
         if self.segment_compiler not in SEGMENT_COMPILERS:
             _bad("segment_compiler", self.segment_compiler, " | ".join(map(repr, SEGMENT_COMPILERS)))
         self._check_compile_sizes()
+        self._check_inductor_config()
         if self.graph_mode not in GRAPH_MODES:
             _bad("graph_mode", self.graph_mode, " | ".join(map(repr, GRAPH_MODES)))
         if self.on_unsafe not in ON_UNSAFE:
@@ -119,6 +123,23 @@ class PPBreakableConfig:
             _bad("compile_sizes", sizes, f"bucket sizes only; {missing} are not buckets (capture sizes: "
                  f"{list(buckets) if len(buckets) <= 16 else [*buckets[:8], '...', *buckets[-4:]]})")
 
+    def _check_inductor_config(self) -> None:
+        patches = self.inductor_config
+        if not isinstance(patches, Mapping) or any(not isinstance(k, str) for k in patches):
+            _bad("inductor_config", patches, "a dict of torch._inductor.config settings, e.g. "
+                 "{'cpp_wrapper': True}")
+        if patches and self.segment_compiler != "inductor":
+            _bad("inductor_config", dict(patches), "{} unless segment_compiler is 'inductor'")
+        if patches:
+            import torch._inductor.config as inductor_config
+
+            known = inductor_config.get_config_copy()
+            unknown = sorted(k for k in patches if k not in known)
+            if unknown:
+                _bad("inductor_config", dict(patches), f"torch._inductor.config settings; {unknown} are "
+                     "not settings of this torch")
+        object.__setattr__(self, "inductor_config", dict(patches))
+
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> PPBreakableConfig:
         """Builds the config from ``torch.compile``'s ``options`` dict; rejects unknown keys."""
@@ -147,7 +168,7 @@ class PPBreakableConfig:
         fields.pop("dump_dir")
         for key in ("split_ops", "token_local_ops"):
             fields[key] = [_op_key(op) for op in getattr(self, key)]
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
 def _checked_ops(key: str, ops: Any) -> tuple[Any, ...]:

@@ -49,6 +49,7 @@ GOOD: dict[str, list[Any]] = {
     "segment_compiler": ["eager", "inductor"],
     "compile_sizes": [[], ()],  # non-empty needs segment_compiler="inductor": tests/backends
     "dedup_segments": [True, False],
+    "inductor_config": [{}],  # non-empty needs segment_compiler="inductor": below
     "graph_mode": ["auto", "cuda", "emulate", "eager", "none"],
     "max_padding_factor": [1, 1.0, 4.5],
     "dump_dir": [None, "/tmp/dumps"],
@@ -64,6 +65,7 @@ BAD: dict[str, list[Any]] = {
     "segment_compiler": ["tvm", "Eager", None],
     "compile_sizes": [[16], [0], [-2], ["16"], [True], [1.5], 16, "16", None],
     "dedup_segments": [1, "yes", None],
+    "inductor_config": [{"cpp_wrapper": True}, ["cpp_wrapper"], None, {1: True}],  # eager compiler
     "graph_mode": ["graphs", "CUDA", None],
     "max_padding_factor": [0.5, 0, -2.0, float("nan"), "2", True, None],
     "dump_dir": [3, b"/tmp"],
@@ -95,6 +97,17 @@ def test_capture_sizes_sorted_deduplicated_and_cap_is_max() -> None:
     assert config.cap == 64  # explicit sizes override max_capture_tokens
     assert PPBreakableConfig(capture_sizes=[3, 1]).capture_sizes == (1, 3)  # type: ignore[arg-type]
     assert PPBreakableConfig.from_options({"max_capture_tokens": 1000}).cap == 1000
+
+
+def test_inductor_config_names_real_inductor_settings() -> None:
+    patches = {"cpp_wrapper": True, "triton.cudagraphs": False}
+    config = PPBreakableConfig.from_options({"segment_compiler": "inductor", "inductor_config": patches})
+    assert config.inductor_config == patches
+    plain = PPBreakableConfig.from_options({"segment_compiler": "inductor"})
+    assert config.compute_hash() != plain.compute_hash()
+    typo = {"segment_compiler": "inductor", "inductor_config": {"cpp_wraper": True}}
+    with pytest.raises(ValueError, match=r"option 'inductor_config'.*\['cpp_wraper'\] are not settings"):
+        PPBreakableConfig.from_options(typo)
 
 
 def test_split_ops_become_a_tuple() -> None:

@@ -213,13 +213,14 @@ def _float_symbols_hidden() -> Iterator[None]:
         values.update(hidden)
 
 
-def _compile_symbolic(gm: torch.fx.GraphModule) -> SegmentFn:
+def _compile_symbolic(gm: torch.fx.GraphModule, patches: Mapping[str, Any] | None = None) -> SegmentFn:
     """Inductor over the traced (fake, symbolic) inputs, inside Dynamo's tracing context."""
     from torch._inductor.compile_fx import compile_fx
 
     inputs = [example_value(p) for p in gm.graph.find_nodes(op="placeholder")]
     with _float_symbols_hidden():
-        compiled: SegmentFn = compile_fx(_copy(gm), inputs)  # type: ignore[assignment]
+        compiled: SegmentFn = compile_fx(  # type: ignore[assignment]
+            _copy(gm), inputs, config_patches=dict(patches) if patches else None)
     return compiled
 
 
@@ -244,7 +245,9 @@ class _NotSpecialisable(Exception):
     pass
 
 
-def _compile_static(gm: torch.fx.GraphModule, token_symbol: sympy.Symbol, size: int) -> SegmentFn:
+def _compile_static(
+    gm: torch.fx.GraphModule, token_symbol: sympy.Symbol, size: int, patches: Mapping[str, Any] | None = None
+) -> SegmentFn:
     """Inductor with every token dim fixed to ``size``, in a tracing context of its own (no symbols)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
@@ -259,7 +262,8 @@ def _compile_static(gm: torch.fx.GraphModule, token_symbol: sympy.Symbol, size: 
         node.meta.pop("example_value", None)
         node.meta.pop("val", None)
     with tracing(TracingContext(fake_mode)):
-        compiled: SegmentFn = compile_fx(fresh, inputs)  # type: ignore[assignment]
+        compiled: SegmentFn = compile_fx(  # type: ignore[assignment]
+            fresh, inputs, config_patches=dict(patches) if patches else None)
     return compiled
 
 
@@ -336,7 +340,8 @@ def _compile_shared(
         return fn, 0.0, True, tuple(fn.by_size) if isinstance(fn, SizeDispatch) else ()
     start = time.perf_counter()
     before = _shape_facts(shape_env)
-    fn = _compile_symbolic(sub)
+    patches = ctx.config.inductor_config
+    fn = _compile_symbolic(sub, patches)
     # A guard Inductor added is installed for this Dynamo graph only: confine the artifact to it.
     confined = weakref.ref(shape_env) if _shape_facts(shape_env) != before else None
     if confined is not None:
@@ -350,7 +355,7 @@ def _compile_shared(
     elif locator is not None and ctx.token_symbol is not None:
         for b in sizes:
             try:
-                done[b] = _compile_static(sub, ctx.token_symbol, b)
+                done[b] = _compile_static(sub, ctx.token_symbol, b, patches)
             except _NotSpecialisable as e:
                 log.debug("%s: segment %s not specialised to %d tokens: %s", ctx.graph_name, key, b, e)
                 break
@@ -407,7 +412,8 @@ def compile_segments(
             callables[name] = _generated_forward(sub)
             continue
         sizes = tuple(config.compile_sizes)
-        options = {"compiler": compiler, "compile_sizes": sizes, "inductor_config": inductor_config}
+        options = {"compiler": compiler, "compile_sizes": sizes, "inductor_config": inductor_config,
+                   "inductor_patches": sorted(config.inductor_config.items())}
         key = structural_key(sub, _input_kinds(node, placeholders, ctx), options)
         try:
             fn, seconds, reused, done = _compile_shared(sub, key, sizes, ctx)

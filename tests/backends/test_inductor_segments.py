@@ -61,6 +61,41 @@ def test_graph_mode_none_runs_the_compiled_segments_at_live_size() -> None:
             check(stage, compiled, CFG, 1, PP, n)
 
 
+def test_inductor_config_reaches_every_segment_compile_and_keys_the_sharing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch._inductor.compile_fx as compile_fx_module
+
+    real = compile_fx_module.compile_fx
+    seen: list[object] = []
+    depth = [0]
+
+    def recording(gm: torch.fx.GraphModule, inputs: list[object], **kwargs: object) -> object:
+        if depth[0] == 0:  # compile_fx calls itself again once the patches are applied
+            seen.append(kwargs.get("config_patches"))
+        depth[0] += 1
+        try:
+            return real(gm, inputs, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
+    patched = {**OPTIONS, "inductor_config": {"size_asserts": False}}
+    stages = [make_stage(CFG, 1, PP) for _ in range(2)]
+    with ppcompile.counters.expect(segment_compiles=UNIQUE):
+        check(stages[0], torch.compile(stages[0], backend="pp_breakable", dynamic=True, options=patched),
+              CFG, 1, PP, 16)
+    assert seen == [{"size_asserts": False}] * UNIQUE
+    patched_keys = [r.key for r in graphed_runtime().segment_compiles]  # type: ignore[attr-defined]
+    # Other settings are other artifacts: nothing is shared with the patched compiles.
+    with ppcompile.counters.expect(segment_compiles=UNIQUE):
+        check(stages[1], torch.compile(stages[1], backend="pp_breakable", dynamic=True, options=OPTIONS),
+              CFG, 1, PP, 16)
+    assert seen[UNIQUE:] == [None] * UNIQUE
+    plain_keys = [r.key for r in graphed_runtime().segment_compiles]  # type: ignore[attr-defined]
+    assert not set(patched_keys) & set(plain_keys)
+
+
 def test_identical_stages_share_artifacts_and_bind_their_own_weights() -> None:
     stages = [make_stage(CFG, rank, PP) for rank in (1, 2)]
     compiled = [torch.compile(s, backend="pp_breakable", dynamic=True, options=OPTIONS) for s in stages]
