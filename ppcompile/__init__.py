@@ -41,7 +41,8 @@ BACKEND_NAME = "pp_breakable"
 
 def _configure_logging() -> None:
     """``PPCOMPILE_LOG_LEVEL`` sets the level of the ``ppcompile`` logger and, when the application
-    configured no handler for it, attaches one to stderr so the asked-for messages show."""
+    configured no handler for it, attaches one to stderr so the asked-for messages show (and stops them
+    propagating, so a root handler configured later does not print each line twice)."""
     level = envs.log_level()
     if not level:
         return
@@ -51,6 +52,7 @@ def _configure_logging() -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
+        logger.propagate = False
 
 
 def _register_backend() -> None:
