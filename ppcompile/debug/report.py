@@ -263,8 +263,10 @@ def _memory(runtime: StageRuntime, buffers: list[dict[str, Any]], info: _StageIn
             records: list[Any]) -> dict[str, Any]:
     static = sum(b["bytes"] for b in buffers)
     mems = list(info.memory.values()) if info is not None and runtime.eager_reason is None else []
-    sizes = runtime.plan.sizes
-    outputs = sum(m.output_bytes(b) for m in mems for b in sizes)
+    per_bucket = [sum(m.output_bytes(b) for m in mems) for b in runtime.plan.sizes]
+    # Graphs in one pool whose outputs nobody holds share memory across buckets (executors.py).
+    shared = runtime.graph_mode in ("emulate", "cuda")
+    outputs = max(per_bucket, default=0) if shared else sum(per_bucket)
     transient = max((m.transient_bytes(runtime.plan.cap) for m in mems), default=0)
     done = [r for r in records if r.failed is None]
     measured = [r.measured_bytes for r in done if r.measured_bytes is not None]
@@ -275,9 +277,9 @@ def _memory(runtime: StageRuntime, buffers: list[dict[str, Any]], info: _StageIn
         "estimated_graph_bytes": static + outputs + transient if mems else None,
         "captured_output_bytes": sum(r.output_bytes for r in done) if done else None,
         "measured_graph_bytes": sum(measured) if measured else None,
-        "note": "estimate per captured instance: static buffers at the cap + every bucket's graph outputs "
-                "(they live as long as the graphs) + the largest segment's peak intermediates at the cap; "
-                "measured: CUDA caching-allocator growth over capture (GPU only)",
+        "note": "estimate per captured instance: static buffers at the cap + graph outputs (the buckets "
+                "share one pool: the largest bucket's) + the largest segment's peak intermediates at the "
+                "cap; measured: CUDA caching-allocator growth over capture (GPU only)",
     }
 
 

@@ -4,11 +4,19 @@ All three share one interface, so the runtime's data path (static buffers, copy-
 the same whichever runs the graphs:
 
 * ``CudaGraphExecutor``: one ``torch.cuda.CUDAGraph`` per (segment, bucket) in one shared memory pool;
-  warm-up runs on a side stream before capture; strong references to every tensor a graph reads.
+  warm-up runs on a side stream before capture; strong references to every tensor a graph reads except
+  graph outputs: once a bucket is captured, its outputs are held through non-owning tensors (vLLM's
+  weak references), so their blocks go back to the pool and the next (smaller) bucket's capture reuses
+  them. Graph memory is then about the largest bucket's, not the sum over buckets; a replay overwrites
+  other buckets' outputs, which the runtime never reads across calls (outputs last until the next call).
 * ``EmulatedGraphExecutor``: a graph's semantics without a GPU. Capture binds the segment to the exact
   input tensors and allocates its outputs once; replay reads only those inputs and writes only into
   those outputs. A runtime that forgets a copy-in, or hands out an output a later call overwrites,
-  computes wrong answers here exactly as it would on a GPU.
+  computes wrong answers here exactly as it would on a GPU. Given the output shapes of each bucket
+  (``shapes``), the buckets of one segment share output memory, as graphs in one pool do when their
+  outputs are not held: the segment runs once, at its first (largest) bucket, and smaller buckets
+  capture leading views of those outputs, so capture costs one run per segment instead of one per
+  (segment, bucket), and any bucket's replay overwrites the others' outputs.
 * ``EagerExecutor``: runs the segment on whatever static tensors it is given each call and returns
   fresh outputs: same data movement, no fixed addresses (isolates graph bugs from buffer bugs).
 """
@@ -31,10 +39,13 @@ __all__ = [
     "GraphExecutor",
     "ReplayAddressError",
     "make_executor",
+    "non_owning",
 ]
 
 SegmentFn = Callable[..., Sequence[Any]]
 Key = tuple[int, int]  # (segment index, bucket)
+# Per output of a segment at one bucket: a tensor's shape, a number's value, or None (not derivable).
+OutputShapes = Sequence[tuple[int, ...] | int | None]
 
 
 class ReplayAddressError(RuntimeError):
@@ -54,14 +65,19 @@ class GraphExecutor(abc.ABC):
 
     name: str = ""
     binds_inputs: bool = True  # replay ignores the args it is given and reads the captured ones
+    shares_outputs: bool = False  # the buckets of a segment write their outputs into shared memory
 
     def __init__(self, debug: bool = False) -> None:
         self.debug = debug
         self._captured: dict[Key, _Captured] = {}
 
     @abc.abstractmethod
-    def capture(self, key: Key, fn: SegmentFn, args: Sequence[Any]) -> tuple[Any, ...]:
-        """Captures ``fn(*args)`` for ``key``; returns the outputs replays will write into."""
+    def capture(
+        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None
+    ) -> tuple[Any, ...]:
+        """Captures ``fn(*args)`` for ``key``; returns the outputs replays will write into.
+        ``shapes``: what each output is at this bucket, when the runtime can tell (see the module
+        docstring); an executor may ignore it."""
 
     @abc.abstractmethod
     def replay(self, key: Key, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -70,6 +86,11 @@ class GraphExecutor(abc.ABC):
     def capture_session(self) -> contextlib.AbstractContextManager[None]:
         """Wraps a run of captures (every bucket of a stage)."""
         return contextlib.nullcontext()
+
+    def bucket_captured(self, bucket: int) -> dict[int, Any]:
+        """Every graph segment of ``bucket`` is captured. Returns replacements, by ``id``, for graph
+        outputs the runtime still holds (it must hold those instead); none by default."""
+        return {}
 
     def num_captured(self) -> int:
         return len(self._captured)
@@ -102,15 +123,69 @@ def _writable(value: Any) -> Any:
     return value
 
 
+def _storages(values: Sequence[Any]) -> list[int]:
+    return [v.untyped_storage().data_ptr() for v in values if isinstance(v, torch.Tensor)]
+
+
+def _leading_views(outputs: Sequence[Any], shapes: OutputShapes) -> tuple[Any, ...] | None:
+    """Views of ``outputs`` with ``shapes`` (each dim narrowed from the start), or None if one can't be."""
+    views: list[Any] = []
+    for out, shape in zip(outputs, shapes, strict=True):
+        if isinstance(out, torch.Tensor) and isinstance(shape, tuple) and len(shape) == out.dim():
+            if any(n > m for n, m in zip(shape, out.shape)):
+                return None
+            for d, n in enumerate(shape):
+                if n != out.shape[d]:
+                    out = out.narrow(d, 0, n)
+            views.append(out)
+        elif isinstance(shape, int) and not isinstance(out, torch.Tensor):
+            views.append(shape)
+        else:
+            return None
+    return tuple(views)
+
+
 class EmulatedGraphExecutor(GraphExecutor):
     """CPU emulation of CUDA-graph semantics (see module docstring)."""
 
     name = "emulate"
+    shares_outputs = True
 
-    def capture(self, key: Key, fn: SegmentFn, args: Sequence[Any]) -> tuple[Any, ...]:
+    def __init__(self, debug: bool = False) -> None:
+        super().__init__(debug)
+        # Per segment: the outputs of its first capture, when later buckets may view them.
+        self._shared: dict[int, tuple[Any, ...] | None] = {}
+
+    def capture(
+        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None
+    ) -> tuple[Any, ...]:
+        first = self._shared.get(key[0])
+        if first is not None and shapes is not None:
+            views = _leading_views(first, shapes)
+            if views is not None:
+                self._captured[key] = _Captured(fn, tuple(args), views)
+                return views
         outputs = tuple(_writable(o) for o in fn(*args))
         self._captured[key] = _Captured(fn, tuple(args), outputs)
+        if shapes is not None and key[0] not in self._shared:
+            self._shared[key[0]] = outputs if self._shareable(outputs, args, shapes) else None
         return outputs
+
+    @staticmethod
+    def _shareable(outputs: Sequence[Any], args: Sequence[Any], shapes: OutputShapes) -> bool:
+        """Outputs later buckets may view: as the shapes said, and no memory shared with an input or
+        with each other (such a segment runs at every bucket, keeping its aliases exact)."""
+        if _leading_views(outputs, shapes) is None:
+            return False
+        for out, shape in zip(outputs, shapes):
+            if (tuple(out.shape) if isinstance(out, torch.Tensor) else out) != shape:
+                return False
+        mine = _storages(outputs)
+        return len(set(mine)) == len(mine) and not set(mine) & set(_storages(args))
+
+    def release(self) -> None:
+        super().release()
+        self._shared.clear()
 
     def replay(self, key: Key, args: Sequence[Any]) -> tuple[Any, ...]:
         if self.debug:
@@ -129,7 +204,9 @@ class EagerExecutor(GraphExecutor):
     name = "eager"
     binds_inputs = False
 
-    def capture(self, key: Key, fn: SegmentFn, args: Sequence[Any]) -> tuple[Any, ...]:
+    def capture(
+        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None
+    ) -> tuple[Any, ...]:
         self._captured[key] = _Captured(fn, (), ())
         return tuple(fn(*args))
 
@@ -137,10 +214,21 @@ class EagerExecutor(GraphExecutor):
         return tuple(self._captured[key].fn(*args))
 
 
+def non_owning(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s memory that does not keep it allocated (a weak reference, as vLLM's
+    ``weak_ref_tensor``); made in ``t``'s inference mode, so Dynamo sees the same kind of tensor."""
+    storage = t.untyped_storage()
+    view = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    with torch.inference_mode(t.is_inference()):
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            view, t.storage_offset(), t.shape, t.stride())
+
+
 class CudaGraphExecutor(GraphExecutor):
     """CUDA graphs in one shared pool; the runtime captures the largest bucket first."""
 
     name = "cuda"
+    shares_outputs = True
 
     def __init__(self, debug: bool = False, num_warmup: int = 2) -> None:
         super().__init__(debug)
@@ -162,7 +250,9 @@ class CudaGraphExecutor(GraphExecutor):
             if was_enabled:
                 gc.enable()
 
-    def capture(self, key: Key, fn: SegmentFn, args: Sequence[Any]) -> tuple[Any, ...]:
+    def capture(
+        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None
+    ) -> tuple[Any, ...]:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         stream = self._stream
@@ -176,6 +266,21 @@ class CudaGraphExecutor(GraphExecutor):
             outputs = tuple(fn(*args))
         self._captured[key] = _Captured(fn, tuple(args), outputs, graph)
         return outputs
+
+    def bucket_captured(self, bucket: int) -> dict[int, Any]:
+        """Holds ``bucket``'s graph outputs (and later graphs' reads of them) through non-owning
+        tensors; once the runtime swaps its own references, their blocks return to the pool. The
+        pool keeps them reserved while its graphs live, so the non-owning tensors stay valid."""
+        mine = [c for key, c in self._captured.items() if key[1] == bucket]
+        swap: dict[int, Any] = {}
+        for c in mine:
+            for o in c.outputs:
+                if isinstance(o, torch.Tensor) and o.numel() and id(o) not in swap:
+                    swap[id(o)] = non_owning(o)
+        for c in mine:
+            c.outputs = tuple(swap.get(id(o), o) for o in c.outputs)
+            c.args = tuple(swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in c.args)
+        return swap
 
     def replay(self, key: Key, args: Sequence[Any]) -> tuple[Any, ...]:
         if self.debug:

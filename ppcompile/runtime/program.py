@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import sympy
 import torch
 
 from ppcompile.passes.context import PassContext
 from ppcompile.records import Segment, StaticBuffer
-from ppcompile.symbolic import SizeFn, example_value
+from ppcompile.symbolic import SizeFn, example_value, size_expr
 
 __all__ = ["Program", "Ref", "Step", "build_program"]
 
@@ -46,6 +47,21 @@ class Step:
     # (output index, slot) for the outputs someone reads.
     arg_slots: tuple[int, ...] | None = None
     writes: tuple[tuple[int, int], ...] = ()
+    # Per output, from the traced values: a tensor's size per dim, a number's value, or None.
+    out_sizes: tuple[tuple[SizeFn, ...] | SizeFn | None, ...] = ()
+
+    def output_shapes(self, env: Mapping[sympy.Symbol, int]) -> list[tuple[int, ...] | int | None]:
+        """What each output is for ``env``: a tensor's shape, a number's value, None if unknown."""
+        shapes: list[tuple[int, ...] | int | None] = []
+        for sizes in self.out_sizes:
+            try:
+                if isinstance(sizes, tuple):
+                    shapes.append(tuple(size(env) for size in sizes))
+                else:
+                    shapes.append(None if sizes is None else sizes(env))
+            except (KeyError, TypeError, ValueError):  # a symbol the env does not bind
+                shapes.append(None)
+        return shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +80,20 @@ def _unwrap_single(fn: Callable[..., Any]) -> SegmentFn:
         return (fn(*args),)
 
     return call
+
+
+def _output_sizes(out: torch.fx.Node, multi: bool) -> tuple[tuple[SizeFn, ...] | SizeFn | None, ...]:
+    values = out.args[0] if multi else (out.args[0],)
+    sizes: list[tuple[SizeFn, ...] | SizeFn | None] = []
+    for v in values:  # type: ignore[union-attr]
+        ev = example_value(v) if isinstance(v, torch.fx.Node) else v
+        if isinstance(ev, torch.Tensor):
+            sizes.append(tuple(SizeFn(size_expr(d)) for d in ev.shape))
+        elif isinstance(ev, (int, torch.SymInt)) and not isinstance(ev, bool):
+            sizes.append(SizeFn(size_expr(ev)))
+        else:
+            sizes.append(None)
+    return tuple(sizes)
 
 
 def build_program(
@@ -114,6 +144,7 @@ def build_program(
             out_slots=tuple(out_slots),
             arg_slots=None if any(r.size is not None for r in refs) else tuple(r.slot for r in refs),
             writes=tuple((i, s) for i, s in enumerate(out_slots) if s >= 0),
+            out_sizes=_output_sizes(out, multi),
         ))
 
     (output,) = split.graph.find_nodes(op="output")

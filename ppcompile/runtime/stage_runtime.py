@@ -441,7 +441,7 @@ class StageRuntime:
                     for st in graph_steps:
                         sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
                         try:
-                            outs = state.executor.capture((st.index, b), st.fn, sargs)
+                            outs = state.executor.capture((st.index, b), st.fn, sargs, st.output_shapes(env))
                         except Exception as e:
                             raise RuntimeError(
                                 f"pp_breakable: capturing segment {st.segment.name} of {self.name} for "
@@ -451,6 +451,10 @@ class StageRuntime:
                         for s, o in zip(st.out_slots, outs):
                             if s >= 0:
                                 table[s] = o
+                    swap = state.executor.bucket_captured(b)
+                    if swap:  # drop the runtime's own references to the bucket's graph outputs
+                        table = [swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in table]
+                        del outs, sargs
                     if not state.executor.binds_inputs:
                         # Replays return fresh outputs: the capture run's are not worth keeping.
                         for st in graph_steps:

@@ -125,7 +125,7 @@ def test_dedup_off_compiles_every_graph_segment() -> None:
 
 
 def test_a_failing_segment_compile_names_the_segment(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(gm: torch.fx.GraphModule) -> None:
+    def fail(gm: torch.fx.GraphModule, patches: object = None) -> None:
         raise NotImplementedError("no lowering for this op")
 
     monkeypatch.setattr(segment_compilers, "_compile_symbolic", fail)

@@ -72,10 +72,14 @@ def test_a_failed_capture_raises_with_context_then_runs_eagerly_with_a_warning(
 ) -> None:
     real = EmulatedGraphExecutor.capture
 
-    def fail_at_bucket_8(self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any) -> Any:
+    def fail_at_bucket_8(
+
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+
+    ) -> Any:
         if key[1] == 8:
             raise MemoryError("no room for bucket 8 (test)")
-        return real(self, key, fn, args)
+        return real(self, key, fn, args, shapes)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_at_bucket_8)
     m = Stage()
@@ -101,11 +105,15 @@ def test_an_interrupted_capture_keeps_nothing_and_the_next_call_captures_again(
     real = EmulatedGraphExecutor.capture
     calls = {"n": 0}
 
-    def interrupt_once(self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any) -> Any:
+    def interrupt_once(
+
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+
+    ) -> Any:
         calls["n"] += 1
         if calls["n"] == 3:  # after bucket 16 was captured
             raise interrupt()
-        return real(self, key, fn, args)
+        return real(self, key, fn, args, shapes)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", interrupt_once)
     m = Stage()

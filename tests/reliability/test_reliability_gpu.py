@@ -62,7 +62,9 @@ def test_cuda_a_fault_while_the_stream_is_capturing(monkeypatch: pytest.MonkeyPa
     real = CudaGraphExecutor.capture
     fired: list[bool] = []
 
-    def capture(self: CudaGraphExecutor, key: tuple[int, int], fn: Any, args: Any) -> Any:
+    def capture(
+        self: CudaGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+    ) -> Any:
         def body(*a: Any) -> Any:
             out = fn(*a)
             if torch.cuda.is_current_stream_capturing() and not fired:
@@ -70,7 +72,7 @@ def test_cuda_a_fault_while_the_stream_is_capturing(monkeypatch: pytest.MonkeyPa
                 raise exc("fault during stream capture (test)")
             return out
 
-        return real(self, key, body, args)
+        return real(self, key, body, args, shapes)
 
     monkeypatch.setattr(CudaGraphExecutor, "capture", capture)
     m = Stage().cuda()

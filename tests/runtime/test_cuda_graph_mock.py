@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 import ppcompile
 from ppcompile import counters
 from ppcompile.backends import pp_breakable as backend
-from ppcompile.runtime.executors import CudaGraphExecutor, ReplayAddressError, make_executor
+from ppcompile.runtime.executors import CudaGraphExecutor, ReplayAddressError, make_executor, non_owning
 
 H = 8
 SIZES = [4, 8, 16]
@@ -246,6 +246,41 @@ def test_debug_replay_rejects_other_inputs(cuda: FakeCuda) -> None:
     with pytest.raises(ReplayAddressError, match=r"segment 1 at bucket 8 .*input 0"):
         ex.replay((1, 8), (x.clone(), W, 8))
     assert cuda.graphs[0].replays == 1
+
+
+def test_a_captured_bucket_holds_its_outputs_through_non_owning_tensors(cuda: FakeCuda) -> None:
+    """After ``bucket_captured`` nothing the executor keeps owns a graph output's memory (so the pool
+    can hand it to the next bucket), yet replays still show through the same addresses."""
+    ex = CudaGraphExecutor()
+    seg = _Segment(cuda)
+    x = torch.randn(8, 4)
+    y, s = ex.capture((0, 8), seg, (x, W, 8))
+    ex.capture((1, 8), seg, (y[:, :3].contiguous(), W[:3], 8))  # an unrelated input
+    ex.capture((2, 8), lambda t, w, n: (t @ w.T,), (y, W, 8))  # reads segment 0's output
+    swap = ex.bucket_captured(8)
+    assert set(swap) >= {id(y), id(s)}
+    first = ex._captured[(0, 8)]
+    assert all(o is not orig and o.data_ptr() == orig.data_ptr() and o.shape == orig.shape
+               for o, orig in zip(first.outputs, (y, s)))
+    assert ex._captured[(2, 8)].args[0] is swap[id(y)]  # a later graph's read of it is swapped too
+    weak_y = first.outputs[0]
+    x.copy_(torch.randn(8, 4))
+    ex.replay((0, 8), ())
+    torch.testing.assert_close(weak_y, torch.relu(x @ W))
+    assert ex.bucket_captured(4) == {}  # no graphs of that bucket: nothing to swap
+
+
+def test_non_owning_tensor_keeps_layout_and_inference_mode() -> None:
+    base = torch.arange(24.0).view(4, 6)
+    view = base[1:, ::2]
+    weak = non_owning(view)
+    layout = (view.shape, view.stride(), view.storage_offset())
+    assert (weak.shape, weak.stride(), weak.storage_offset()) == layout
+    base.add_(1)
+    torch.testing.assert_close(weak, view)
+    with torch.inference_mode():
+        inf = torch.ones(3)
+    assert non_owning(inf).is_inference() and not non_owning(base).is_inference()
 
 
 # ----------------------------------------------------------------------------------------- full runtime

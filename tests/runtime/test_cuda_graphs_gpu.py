@@ -135,3 +135,53 @@ def test_cuda_graphs_under_inference_mode() -> None:
             for g, w in zip(c(*args), m(*args)):
                 torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert counters.replays == 4 and counters.eager_runs == 0
+
+
+class _Wide(nn.Module):
+    """Wide enough that graph outputs dominate the pool (MiB per bucket, not the 2 MiB block size)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.ops.pptest_rt.gpu_mixer(torch.relu(self.up(x + residual)))
+        out = self.down(h)
+        return out, out + residual
+
+
+def _pool_bytes(pool: Any) -> int:
+    """Bytes of the CUDA caching allocator's segments that belong to the graph pool ``pool``."""
+    segments = torch.cuda.memory_snapshot()
+    if segments and "segment_pool_id" not in segments[0]:
+        pytest.skip("this torch's memory snapshot does not name segment pools")
+    return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == tuple(pool))
+
+
+def test_buckets_share_the_graph_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graph outputs are held weakly once their bucket is captured, so smaller buckets capture into
+    the larger ones' blocks: the pool holds about one bucket's outputs, not every bucket's."""
+    from ppcompile.runtime.executors import GraphExecutor
+
+    width, sizes = 512, [512, 1024, 2048, 3072, 4096, 6144, 8192]
+
+    def run(share: bool) -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = _Wide(width).cuda()
+        with monkeypatch.context() as mp:
+            if not share:
+                mp.setattr(CudaGraphExecutor, "bucket_captured", GraphExecutor.bucket_captured)
+            c = _compile(m, capture_sizes=sizes)
+            for i, n in enumerate([8000, 700, 3000, 8192, 513, 5000]):  # across buckets, interleaved
+                g = torch.Generator(device="cuda").manual_seed(i)
+                args = tuple(torch.randn(n, width, device="cuda", generator=g) for _ in range(2))
+                for got, want in zip(c(*args), m(*args)):
+                    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+        (state,) = _runtime()._states.values()
+        return _pool_bytes(state.executor.pool)
+
+    held = run(share=False)
+    shared = run(share=True)
+    assert 0 < shared <= 0.7 * held, (shared, held)

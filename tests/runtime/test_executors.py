@@ -86,6 +86,53 @@ def test_emulated_keys_are_independent() -> None:
     assert not torch.allclose(big[0][:8], y8)
 
 
+def test_emulated_buckets_with_shapes_view_the_first_buckets_outputs() -> None:
+    """Told each bucket's output shapes, smaller buckets capture leading views of the first (largest)
+    capture's outputs without running the segment: one pool, outputs nobody holds."""
+    ex = EmulatedGraphExecutor()
+    x = torch.randn(16, 4)
+    calls: list[int] = []
+
+    def seg(t: torch.Tensor, w: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        calls.append(n)
+        y = t @ w
+        return y, y.sum(dim=1, keepdim=True) * n, 2 * n
+
+    big = ex.capture((0, 16), seg, (x, W, 16), [(16, 3), (16, 1), 32])
+    small = ex.capture((0, 8), seg, (x[:8], W, 8), [(8, 3), (8, 1), 16])
+    assert calls == [16]  # the smaller bucket did not run
+    assert small[2] == 16 and all(
+        s.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and s.shape[0] == 8
+        for s, b in zip(small[:2], big[:2]))
+    x.copy_(torch.randn(16, 4))
+    y8, s8, n8 = ex.replay((0, 8), ())
+    assert n8 == 16
+    torch.testing.assert_close(y8, x[:8] @ W)
+    torch.testing.assert_close(s8, (x[:8] @ W).sum(1, keepdim=True) * 8)
+    torch.testing.assert_close(big[0][:8], y8)  # the bucket-8 replay wrote bucket 16's memory
+
+
+@pytest.mark.parametrize("case", ["aliases an input", "shapes disagree", "shape unknown", "grows"])
+def test_emulated_segments_that_cannot_share_run_at_every_bucket(case: str) -> None:
+    ex = EmulatedGraphExecutor()
+    x = torch.randn(16, 4)
+    calls: list[int] = []
+
+    def seg(t: torch.Tensor) -> tuple[torch.Tensor]:
+        calls.append(t.shape[0])
+        return (t.view(-1) if case == "aliases an input" else t * 2,)
+
+    first = {"aliases an input": (64,), "shapes disagree": (16, 5), "shape unknown": None,
+             "grows": (16, 4)}[case]
+    ex.capture((0, 16), seg, (x,), [first])
+    second = (32, 4) if case == "grows" else (8, 4) if first is None or len(first) == 2 else (32,)
+    (out,) = ex.capture((0, 8), seg, (x[:8],), [second])
+    assert calls == [16, 8] and out.shape[0] == (32 if case == "aliases an input" else 8)
+    x.copy_(torch.randn(16, 4))
+    (again,) = ex.replay((0, 8), ())
+    torch.testing.assert_close(again, x[:8].view(-1) if case == "aliases an input" else x[:8] * 2)
+
+
 def test_emulated_replay_of_unknown_key_raises() -> None:
     ex = EmulatedGraphExecutor()
     with pytest.raises(KeyError):

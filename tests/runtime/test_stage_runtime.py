@@ -8,6 +8,7 @@ executor (CPU), which gives CUDA-graph semantics: graphs read only the tensors t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -214,9 +215,11 @@ def test_captures_largest_bucket_first(monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[tuple[int, int]] = []
     real = EmulatedGraphExecutor.capture
 
-    def recording(self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any) -> Any:
+    def recording(
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+    ) -> Any:
         order.append(key)
-        return real(self, key, fn, args)
+        return real(self, key, fn, args, shapes)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", recording)
     m = Stage()
@@ -358,11 +361,15 @@ def test_capture_failure_names_segment_and_bucket_then_runs_eagerly(monkeypatch:
     real = EmulatedGraphExecutor.capture
     calls = {"n": 0}
 
-    def fail_once(self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any) -> Any:
+    def fail_once(
+
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+
+    ) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
             raise MemoryError("out of graph memory (test)")
-        return real(self, key, fn, args)
+        return real(self, key, fn, args, shapes)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_once)
     m = Stage()
@@ -381,10 +388,14 @@ def test_capture_failure_names_segment_and_bucket_then_runs_eagerly(monkeypatch:
 def test_failed_capture_releases_graphs_captured_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
     real = EmulatedGraphExecutor.capture
 
-    def fail_at_bucket_4(self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any) -> Any:
+    def fail_at_bucket_4(
+
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+
+    ) -> Any:
         if key[1] == 4:
             raise RuntimeError("no memory left for bucket 4 (test)")
-        return real(self, key, fn, args)
+        return real(self, key, fn, args, shapes)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_at_bucket_4)
     m = Stage()
@@ -398,7 +409,9 @@ def test_failed_capture_releases_graphs_captured_before_it(monkeypatch: pytest.M
 
 
 def test_persistent_capture_failure_leaves_runtime_usable(monkeypatch: pytest.MonkeyPatch) -> None:
-    def always_fail(self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any) -> Any:
+    def always_fail(
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+    ) -> Any:
         raise RuntimeError("capture not possible (test)")
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", always_fail)
@@ -497,16 +510,49 @@ def test_emulator_catches_a_missing_copy_in(monkeypatch: pytest.MonkeyPatch) -> 
     _check(c, m, 6, seed=7)
 
 
-def test_emulator_catches_one_table_shared_by_two_buckets() -> None:
+def test_buckets_share_graph_output_memory_and_outputs_last_until_the_next_call() -> None:
+    """As graphs in one pool whose outputs nobody holds: every bucket's outputs live in the memory of
+    the largest bucket's, each segment runs once at capture, and any call overwrites earlier outputs."""
     m = Stage()
     c = _compile(m)
-    _check(c, m, 12)
+    first, _ = _check(c, m, 12)  # bucket 16
     state = _state(_runtime())
-    state.tables[8] = state.tables[16]  # a runtime that aliased bucket 16's slots for bucket 8
-    x, r = _inputs(6, seed=3)
-    got, _ = c(x, r)
-    want, _ = m(x, r)
-    assert not torch.allclose(got, want)
+    for st in (st for st in _runtime().program.steps if st.segment.is_graph):
+        biggest = state.executor._captured[(st.index, 16)].outputs
+        for b in SIZES:
+            for out, big in zip(state.executor._captured[(st.index, b)].outputs, biggest):
+                assert out.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
+                assert out.shape[0] == b
+    kept = first.clone()
+    second, _ = _check(c, m, 6, seed=3)  # bucket 8: overwrites bucket 16's outputs too
+    assert not torch.allclose(first, kept)
+    torch.testing.assert_close(first[:6], second)
+    _check(c, m, 12, seed=4)  # and back: each bucket still computes its own answer
+
+
+def test_capture_runs_each_graph_segment_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Smaller buckets view the largest bucket's outputs: capture costs one run per segment."""
+    calls: list[int] = []
+    original = StageRuntime._capture
+
+    def counting(index: int, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            calls.append(index)
+            return fn(*args)
+        return run
+
+    def capture_counting(self: StageRuntime, args: Any, key: Any) -> Any:
+        self.program = dataclasses.replace(self.program, steps=tuple(
+            dataclasses.replace(st, fn=counting(st.index, st.fn)) if st.segment.is_graph else st
+            for st in self.program.steps))
+        return original(self, args, key)
+
+    monkeypatch.setattr(StageRuntime, "_capture", capture_counting)
+    m = Stage()
+    c = _compile(m)
+    with counters.expect(captures=2 * len(SIZES), replays=1):
+        _check(c, m, 5)
+    assert sorted(calls) == sorted(_graph_steps(_runtime()) * 2)  # one capture run + one replay each
 
 
 def test_debug_turns_a_shared_table_into_a_clear_error() -> None:
