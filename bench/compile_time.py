@@ -9,12 +9,16 @@
    one-time CPU-ISA probe and header builds (paid once per machine) are reported apart.
 2. **Steady state, one run.** A 32-layer stage of width 64 (the reference) and of width 16 (every op
    costs about its dispatch), per-forward latency at 16, 64 and 256 tokens for: eager;
-   ``pp_breakable`` with eager segments; ``pp_breakable`` with Inductor segments; whole-graph Inductor
-   (``torch.compile(stage, backend="inductor", dynamic=True)``, no breaks). ``pp_breakable`` runs with
-   ``graph_mode="emulate"`` (the CPU default: a replay re-runs the segment and copies into the
-   captured outputs, copies a GPU graph does not make) and ``graph_mode="eager"`` (the same static
-   buffers, no emulation). Paths are timed interleaved, and the best of many rounds is reported: on a
-   shared machine the least-disturbed round is the estimate other jobs perturb least.
+   ``pp_breakable`` with eager segments; ``pp_breakable`` with Inductor segments under
+   ``graph_mode="emulate"`` (the CPU default: a replay re-runs the segment and copies into the captured
+   outputs, copies a GPU graph does not make), ``"eager"`` (the same static buffers, no emulation) and
+   ``"none"`` (the compiled segments at the live size, no buffers; also with Inductor's
+   ``cpp_wrapper``); whole-graph Inductor (``torch.compile(stage, backend="inductor")``, no breaks:
+   the bound breaks can approach; also with ``cpp_wrapper``). Compiled
+   paths get their symbolic token count from ``ppcompile.mark_token_dynamic``; two more rows compile
+   with ``dynamic=True`` to show its per-call cost. Paths are timed interleaved, and the best of many
+   rounds is reported: on a shared machine the least-disturbed round is the estimate other jobs
+   perturb least.
 
 Run: ``python bench/compile_time.py [--write]`` (``--write`` updates the "Compile time" section of
 docs/benchmarks.md). ``--quick`` shrinks everything for a smoke run.
@@ -38,6 +42,7 @@ if __package__ in (None, ""):
 
 import torch
 
+import ppcompile
 from bench.report import describe_machine, machine_info, markdown_table, update_markdown_section
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
 from ppcompile.pipeline.inprocess import raise_recompile_limit
@@ -51,6 +56,29 @@ COMPILERS = ("eager", "inductor")
 NO_DEDUP = " (no dedup)"  # the Inductor row with sharing off: what compiling every segment costs
 NO_DISK_CACHES = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 
+
+WHOLE = "whole-graph inductor"
+# (name, backend, options, dynamic): compiled paths get their symbolic token count from marked token
+# dims (ppcompile.mark_token_dynamic) unless dynamic=True, whose rows show what that costs.
+STEADY_PATHS: tuple[tuple[str, str | None, dict[str, Any] | None, bool | None], ...] = (
+    ("eager", None, None, None),
+    ("ppb eager segs (emulate)", "pp_breakable",
+     {"segment_compiler": "eager", "graph_mode": "emulate"}, None),
+    ("ppb inductor segs (emulate)", "pp_breakable",
+     {"segment_compiler": "inductor", "graph_mode": "emulate"}, None),
+    ("ppb inductor segs (static buffers)", "pp_breakable",
+     {"segment_compiler": "inductor", "graph_mode": "eager"}, None),
+    ("ppb inductor segs (live size)", "pp_breakable",
+     {"segment_compiler": "inductor", "graph_mode": "none"}, None),
+    (WHOLE, "inductor", None, None),
+    ("ppb inductor segs (live size, cpp_wrapper)", "pp_breakable",
+     {"segment_compiler": "inductor", "graph_mode": "none", "inductor_config": {"cpp_wrapper": True}}, None),
+    (f"{WHOLE}, cpp_wrapper", "inductor", {"cpp_wrapper": True}, None),
+    ("ppb inductor segs (emulate), dynamic=True", "pp_breakable",
+     {"segment_compiler": "inductor", "graph_mode": "emulate"}, True),
+    (f"{WHOLE}, dynamic=True", "inductor", None, True),
+)
+TARGET_MODES = ("emulate", "static buffers", "live size")
 
 NARROW = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
                      head_dim=8)  # width 16: every op costs about its dispatch only
@@ -66,7 +94,6 @@ def stage_config(layers: int, hidden: int = 64) -> ModelConfig:
 # ------------------------------------------------------------------------------------------ part 1
 def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[str, Any]:
     """In a fresh process: compile a ``layers``-layer stage, first call at 16 tokens; the breakdown."""
-    import ppcompile
     from ppcompile.debug.capture import capture_records
 
     torch.set_num_threads(1)
@@ -81,7 +108,8 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
     _, pos, proxies = make_batch(cfg, [n], 1, PP)
     ctx = make_forward_context([n], cfg, range(stage.start_layer, stage.end_layer))
     start = time.perf_counter()
-    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=options)
+    compiled = torch.compile(stage, backend="pp_breakable", options=options)
+    ppcompile.mark_token_dynamic(pos, proxies)
     with torch.inference_mode(), set_forward_context(ctx):
         compiled(None, pos, pp_proxy_tensors=proxies)
     total = time.perf_counter() - start
@@ -137,28 +165,20 @@ def steady_state(
     cfg = stage_config(layers, hidden)
     sizes = sorted(token_counts)
     paths: dict[str, Callable[..., Any]] = {}
-    for name, backend, options in (
-        ("eager", None, None),
-        ("ppb eager segs (emulate)", "pp_breakable", {"segment_compiler": "eager", "graph_mode": "emulate"}),
-        ("ppb eager segs (no graphs)", "pp_breakable", {"segment_compiler": "eager", "graph_mode": "eager"}),
-        ("ppb inductor segs (emulate)", "pp_breakable",
-         {"segment_compiler": "inductor", "graph_mode": "emulate"}),
-        ("ppb inductor segs (no graphs)", "pp_breakable",
-         {"segment_compiler": "inductor", "graph_mode": "eager"}),
-        ("whole-graph inductor", "inductor", None),
-    ):
+    for name, backend, options, dynamic in STEADY_PATHS:
         stage = make_stage(cfg, 1, PP)  # one instance per path: same weights, own Dynamo cache entries
         if backend is None:
             paths[name] = stage
         elif backend == "pp_breakable":
             ppb_options: dict[str, Any] = {**(options or {}), "capture_sizes": sizes}
-            paths[name] = torch.compile(stage, backend=backend, dynamic=True, options=ppb_options)
+            paths[name] = torch.compile(stage, backend=backend, dynamic=dynamic, options=ppb_options)
         else:
-            paths[name] = torch.compile(stage, backend=backend, dynamic=True)
+            paths[name] = torch.compile(stage, backend=backend, dynamic=dynamic, options=options)
     layer_ids = range(stage.start_layer, stage.end_layer)
     inputs = {}
     for n in sizes:
         _, pos, proxies = make_batch(cfg, [n], 1, PP, seed=n)
+        ppcompile.mark_token_dynamic(pos, proxies)  # read by the paths compiled without dynamic=True
         inputs[n] = (pos, proxies, make_forward_context([n], cfg, layer_ids))
     warm = {}
     with torch.inference_mode():
@@ -199,8 +219,10 @@ def compile_markdown(rows: list[dict[str, Any]], setup: float, max_tokens: int |
     out = [f"### Cold-process compile + capture (middle stage, hidden 64, {ladder}, first call at 16 tokens)",
            "",
            "Each row is the fastest of fresh processes; Inductor's on-disk compile caches are off. "
-           "Capture on CPU is the emulation (each graph segment run once per bucket), so it grows with "
-           f"layers x buckets. The `inductor{NO_DEDUP}` row (one process) compiles every graph segment "
+           "Capture on CPU is the emulation: each graph segment runs once, at the largest bucket, and the "
+           "smaller buckets capture views of its outputs, so it grows with layers, not with buckets. "
+           "Compiled with `ppcompile.mark_token_dynamic` on the first call's inputs. "
+           f"The `inductor{NO_DEDUP}` row (one process) compiles every graph segment "
            "on its own (`dedup_segments=False`): what sharing saves.", ""]
     table = []
     for r in rows:
@@ -236,7 +258,7 @@ def steady_markdown(steady: dict[str, Any]) -> str:
         for n in sizes:
             t = med[f"{p}@{n}"]
             cells.append(f"{1e3 * t:.2f} ms ({med[f'eager@{n}'] / t:.2f}x, "
-                         f"{t / med[f'whole-graph inductor@{n}']:.2f})")
+                         f"{t / med[f'{WHOLE}@{n}']:.2f})")
         table.append(cells)
     out.append(markdown_table(["path", *[f"{n} tokens" for n in sizes]], table))
     return "\n".join(out) + "\n"
@@ -263,8 +285,8 @@ def targets_markdown(results: dict[str, Any]) -> str:
     for steady in results.get("steady", []):
         best = steady["best"]
         n = min(steady["sizes"])
-        eager, whole = best[f"eager@{n}"], best[f"whole-graph inductor@{n}"]
-        for mode in ("emulate", "no graphs"):
+        eager, whole = best[f"eager@{n}"], best[f"{WHOLE}@{n}"]
+        for mode in TARGET_MODES:
             t = best[f"ppb inductor segs ({mode})@{n}"]
             out.append(f"- hidden {steady['hidden']}, {n} tokens, Inductor segments ({mode}): "
                        f"{eager / t:.2f}x eager (target >= 2x: {'met' if eager / t >= 2 else 'not met'}), "
