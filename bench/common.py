@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-import ppcompile  # noqa: F401  (registers the pp_breakable backend)
+import ppcompile  # also registers the pp_breakable backend
 from ppcompile.models import (
     REFERENCE_CONFIGS,
     ForwardContext,
@@ -202,7 +202,9 @@ class StageHarness:
             return self.stage
         if path.kind == "pp_breakable":
             options: dict[str, Any] = {"max_capture_tokens": self.capture_cap, **path.options}
-            return torch.compile(self.stage, backend="pp_breakable", dynamic=True, options=options)
+            # The symbolic token count comes from the token dims batch() marks (no dynamic=True: it
+            # would pass every float module attribute as a per-call tensor input; user guide).
+            return torch.compile(self.stage, backend="pp_breakable", options=options)
         if path.kind == "reduce-overhead":
             configure_torch_partition(self.buckets)
             return torch.compile(self.stage, mode="reduce-overhead", dynamic=True)
@@ -211,6 +213,7 @@ class StageHarness:
     def batch(self, seq_lens: Sequence[int], seed: int = 0) -> Batch:
         ids, pos, proxies = make_batch(self.cfg, seq_lens, self.spec.pp_rank, self.spec.pp_size,
                                        seed=seed, device=self.device)
+        ppcompile.mark_token_dynamic(ids, pos, proxies)
         ctx = make_forward_context(seq_lens, self.cfg, self.layer_ids, device=self.device)
         return Batch(list(seq_lens), (ids, pos, proxies), ctx)
 

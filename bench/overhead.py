@@ -39,6 +39,7 @@ if __package__ in (None, ""):
 
 import torch
 
+import ppcompile
 from bench.common import median, sync
 from bench.report import describe_machine, machine_info, markdown_table, save_json
 from ppcompile.backends.pp_breakable import stage_runtimes
@@ -129,12 +130,13 @@ def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mod
     ids, pos, _ = make_batch(cfg, lens, 0, 1, device=device)
     ctx = make_forward_context(lens, cfg, range(cfg.num_layers), device=device)
     options: dict[str, Any] = {"capture_sizes": _BUCKETS, "graph_mode": graph_mode}
-    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=options)
+    ppcompile.mark_token_dynamic(ids, pos)  # not dynamic=True: see the user guide
+    compiled = torch.compile(stage, backend="pp_breakable", options=options)
     with torch.inference_mode(), set_forward_context(ctx):
         compiled(ids, pos)
         runtime = _runtime_of_last_compile()
         args = _args_dynamo_passes(runtime, lambda: compiled(ids, pos))
-        dynamo_eager = torch.compile(stage, backend="eager", dynamic=True)
+        dynamo_eager = torch.compile(stage, backend="eager")
         watch = Stopwatch()
         instrumented = _instrumented(runtime, watch)
 
