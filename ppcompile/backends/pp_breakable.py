@@ -82,9 +82,9 @@ def pp_breakable(
         graph_mode=_resolve_graph_mode(config, example_inputs),
         config=config,
     )
-    runtime.split_module = split  # type: ignore[attr-defined]
-    runtime.segment_compiles = segment_compiles  # type: ignore[attr-defined]
-    runtime.compile_times = compile_times(dynamo_seconds, ctx, segment_compiles)  # type: ignore[attr-defined]
+    runtime.split_module = split
+    runtime.segment_compiles = segment_compiles
+    runtime.compile_times = compile_times(dynamo_seconds, ctx, segment_compiles)
     _RUNTIMES.append(weakref.ref(runtime))
     from ppcompile.debug.report import on_stage_compiled  # split/segment dumps, report, TORCH_TRACE
 

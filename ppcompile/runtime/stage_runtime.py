@@ -118,6 +118,11 @@ class StageRuntime:
         self._debug = config.debug
         self._own_outputs = config.owned_outputs or config.debug
         self._track_outputs = config.debug and not config.owned_outputs
+        # Set by the backend after construction: the split module, one record per graph segment's
+        # compile (backends.segment_compilers.SegmentCompile) and seconds per compile phase.
+        self.split_module: torch.fx.GraphModule | None = None
+        self.segment_compiles: list[Any] = []
+        self.compile_times: dict[str, float] = {}
         self.eager_reason = self._why_never_graphed(ctx)
         if self.eager_reason:
             log.info("%s: every forward runs eagerly: %s", name, self.eager_reason)

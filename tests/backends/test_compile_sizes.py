@@ -36,7 +36,7 @@ def test_compile_sizes_serve_their_bucket_with_a_static_artifact(monkeypatch: py
     compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=options)
     with ppcompile.counters.expect(segment_compiles=2, replays_by_bucket={16: 1}):
         check(stage, compiled, CFG, 1, PP, 16)
-    assert [r.sizes for r in graphed_runtime().segment_compiles] == [(16,), (16,)]  # type: ignore[attr-defined]
+    assert [r.sizes for r in graphed_runtime().segment_compiles] == [(16,), (16,)]
     dispatchers = {id(d) for d, _, _ in calls}
     assert len(dispatchers) == 2 and all(16 in d.by_size for d, _, _ in calls)
     calls.clear()
@@ -71,7 +71,7 @@ def test_float_attributes_stay_inputs_shared_by_instances() -> None:
     compiled = [torch.compile(s, backend="pp_breakable", dynamic=True, options=OPTIONS) for s in stages]
     with ppcompile.counters.expect(backend_compiles=1, segment_compiles=2):
         check(stages[0], compiled[0], cfgs[0], 1, PP, 16)
-    split = graphed_runtime().split_module  # type: ignore[attr-defined]
+    split = graphed_runtime().split_module
     assert sum("eps" in p.name for p in split.graph.find_nodes(op="placeholder")) == 2
     assert not any(n.target == "item" for n in split.graph.find_nodes(op="call_method", target="item"))
     with ppcompile.counters.expect(backend_compiles=0, segment_compiles=0):
@@ -103,5 +103,5 @@ def test_other_float_uses_are_specialised_by_dynamo_and_guarded() -> None:
         with torch.inference_mode(), ppcompile.counters.expect(backend_compiles=1, replays=2):
             for x in inputs:
                 torch.testing.assert_close(compiled(x), m(x), atol=1e-6, rtol=0)
-        split = graphed_runtime().split_module  # type: ignore[attr-defined]
+        split = graphed_runtime().split_module
         assert not any("limit" in p.name for p in split.graph.find_nodes(op="placeholder"))

@@ -63,7 +63,7 @@ def test_segment_dump_runs_and_matches_the_segment(tmp_path: Path) -> None:
     (sym,) = inspect.signature(ns["example_inputs"]).parameters  # the token count's symbol
     inputs = ns["example_inputs"](**{sym: 12})
     assert any(isinstance(x, torch.Tensor) and x.shape[0] == 12 for x in inputs)
-    want = rt.split_module.get_submodule(rt.segments[2].name)(*inputs)  # type: ignore[attr-defined]
+    want = rt.split_module.get_submodule(rt.segments[2].name)(*inputs)
     got = ns["make_module"]()(*inputs)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
