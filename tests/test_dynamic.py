@@ -88,3 +88,19 @@ def test_dynamic_true_passes_the_float_attributes_as_inputs() -> None:
     compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options={"capture_sizes": SIZES})
     _run(stage, compiled, 16, False)
     assert len(_runtime()._scalar_slots) == 2 * (stage.end_layer - stage.start_layer)
+
+
+def test_size_oblivious_tracing_graphs_one_token_forwards() -> None:
+    """The recipe the user guide gives for 1-token forwards: Dynamo's size-oblivious mode keeps the
+    token dim symbolic at 1, so those forwards replay bucket 1 instead of running eagerly."""
+    fx_config = pytest.importorskip("torch.fx.experimental._config")
+    if not hasattr(fx_config, "backed_size_oblivious"):
+        pytest.skip("this torch has no backed_size_oblivious")
+    stage = make_stage(CFG, 1, PP)
+    with fx_config.patch(backed_size_oblivious=True):
+        compiled = torch.compile(stage, backend="pp_breakable", options={"capture_sizes": [1, *SIZES]})
+        c = ppcompile.counters
+        with c.expect(replays=3, eager_runs=0, replays_by_bucket={8: 1, 1: 2}):
+            for n, mark in ((5, True), (1, False), (1, False)):
+                torch.testing.assert_close(_run(stage, compiled, n, mark), _run(stage, stage, n, False),
+                                           atol=1e-5, rtol=0)
