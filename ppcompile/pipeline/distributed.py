@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ppcompile.counters import counters
+from ppcompile.dynamic import mark_token_dynamic
 from ppcompile.models import ModelConfig, make_forward_context, make_stage, set_forward_context
 from ppcompile.pipeline.inprocess import (
     StageBinding,
@@ -132,7 +133,9 @@ class DistributedStage:
         options: the backend's options for this rank (ranks may differ, e.g. in ``capture_sizes``).
         device: where the stage, inputs and KV caches live (default: :func:`default_device`).
         stage: a prebuilt stage module for this rank; its forward is bound by signature.
-        dynamic: ``torch.compile``'s ``dynamic``.
+        dynamic: ``torch.compile``'s ``dynamic``. By default the token dims of every call's inputs are
+            marked dynamic instead (``mark_token_dynamic``): one symbolic graph from the first call,
+            without ``dynamic=True``'s per-call float inputs.
         send_mode: ``"wait"`` completes the previous batch's sends before the stage runs again;
             ``"copy"`` sends owned copies (the stage may overwrite its outputs at once).
     """
@@ -146,7 +149,7 @@ class DistributedStage:
         options: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         stage: nn.Module | None = None,
-        dynamic: bool | None = True,
+        dynamic: bool | None = None,
         send_mode: str = "wait",
     ) -> None:
         if not dist.is_initialized():
@@ -230,6 +233,8 @@ class DistributedStage:
         ctx = make_forward_context(seq_lens, self.cfg, self.layers, device=self.device)
         before = counters.snapshot() if self.compiled else None
         start = time.perf_counter()
+        if self.compiled:
+            mark_token_dynamic(*kwargs.values())  # read when Dynamo traces; a no-op otherwise
         with set_forward_context(ctx):
             out = self.module(**kwargs)
         self.trace = trace_since(self.rank, before, time.perf_counter() - start)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ppcompile.counters import counters
+from ppcompile.dynamic import mark_token_dynamic
 from ppcompile.models import (
     ModelConfig,
     get_pp_indices,
@@ -110,7 +111,9 @@ class InProcessPipeline:
         compiled: wrap each stage in ``torch.compile(backend="pp_breakable")``.
         options: the backend's ``options`` dict (e.g. ``{"capture_sizes": [8, 16]}``).
         device: where stages, inputs and KV caches live.
-        dynamic: ``torch.compile``'s ``dynamic`` (``True``: one symbolic graph from the first call).
+        dynamic: ``torch.compile``'s ``dynamic``. By default the token dims of every call's inputs are
+            marked dynamic instead (``mark_token_dynamic``): one symbolic graph from the first call,
+            without ``dynamic=True``'s per-call float inputs.
         stages: prebuilt stage modules to use instead of ``make_stage`` (one per rank).
     """
 
@@ -122,7 +125,7 @@ class InProcessPipeline:
         compiled: bool,
         options: Mapping[str, Any] | None = None,
         device: torch.device | str = "cpu",
-        dynamic: bool | None = True,
+        dynamic: bool | None = None,
         stages: Sequence[nn.Module] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -166,6 +169,8 @@ class InProcessPipeline:
         ctx = make_forward_context(seq_lens, self.cfg, self.layer_ranges[rank], device=self.device)
         before = counters.snapshot() if self.compiled else None
         start = time.perf_counter()
+        if self.compiled:
+            mark_token_dynamic(*kwargs.values())  # read when Dynamo traces; a no-op otherwise
         with set_forward_context(ctx):
             out = self.modules[rank](**kwargs)
         seconds = time.perf_counter() - start
