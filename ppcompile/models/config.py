@@ -18,6 +18,9 @@ class ModelConfig:
     ``hidden_only=True`` makes stages hand over only ``hidden_states`` (layers add their residual
     internally); otherwise stages hand over ``hidden_states`` and ``residual`` (fused-residual RMSNorm).
     ``topk_proxy>0`` adds an int32 ``topk_indices`` proxy of shape ``[T, topk_proxy]`` between stages.
+    ``compile_regions=True`` marks the attention-free halves of each decoder layer as
+    ``torch.compiler.nested_compile_region``s, so Dynamo traces them once per stage, not once per layer
+    (compile with marked token dims: torch 2.13's regions fail under ``dynamic=True``).
     """
 
     vocab_size: int = 256
@@ -35,6 +38,7 @@ class ModelConfig:
     moe_intermediate_size: int = 64
     hidden_only: bool = False
     topk_proxy: int = 0
+    compile_regions: bool = False
     dtype: torch.dtype = torch.float32
     seed: int = 0
 

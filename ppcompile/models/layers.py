@@ -6,6 +6,8 @@ or on the token count, no ``.item()``, no data-dependent shapes (the MoE evaluat
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,14 +81,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def qkv(
+        self, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and contiguous ``v [T, Hkv, D]``."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        out = torch.ops.ppcompile.attention(q, k, v.contiguous(), self.layer_id)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v.contiguous()
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention op itself, for this layer's global id: ``[T, Hq * D]``."""
+        return torch.ops.ppcompile.attention(q, k, v, self.layer_id).reshape(-1, self.q_size)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attend(*self.qkv(positions, hidden)))
 
 
 class MLP(nn.Module):
@@ -128,6 +139,47 @@ class MoE(nn.Module):
         return out
 
 
+def _nested_region(fn: Any) -> Any:
+    """``torch.compiler.nested_compile_region(fn)`` where torch has it (Dynamo traces ``fn`` once and
+    reuses the trace for every layer), else ``fn``. A no-op outside ``torch.compile``."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region(fn) if region is not None else fn
+
+
+# The attention-free halves of a decoder layer, as nested compile regions (cfg.compile_regions). They
+# hold no layer id (a constant that differs per layer would defeat reuse) and return no view of an
+# input (regions may not alias). Each is the layer's own code, only regrouped.
+@_nested_region
+def _before_attention(
+    layer: DecoderLayer, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden, residual = layer.input_layernorm(hidden, residual)
+    return (*layer.self_attn.qkv(positions, hidden), residual)
+
+
+@_nested_region
+def _after_attention(
+    layer: DecoderLayer, out: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, residual = layer.post_attention_layernorm(layer.self_attn.o_proj(out), residual)
+    return layer.mlp(hidden), residual
+
+
+@_nested_region
+def _before_attention_hidden_only(
+    layer: DecoderLayer, positions: torch.Tensor, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer.self_attn.qkv(positions, layer.input_layernorm(hidden))
+
+
+@_nested_region
+def _after_attention_hidden_only(
+    layer: DecoderLayer, hidden: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    hidden = hidden + layer.self_attn.o_proj(out)
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer for GLOBAL layer ``layer_id``.
 
@@ -140,6 +192,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_id = int(layer_id)
         self.hidden_only = cfg.hidden_only
+        self.compile_regions = cfg.compile_regions
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
@@ -148,6 +201,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.compile_regions and self.hidden_only:
+            out = self.self_attn.attend(*_before_attention_hidden_only(self, positions, hidden))
+            return _after_attention_hidden_only(self, hidden, out)
+        if self.compile_regions and residual is not None:
+            q, k, v, residual = _before_attention(self, positions, hidden, residual)
+            return _after_attention(self, self.self_attn.attend(q, k, v), residual)
         if self.hidden_only:
             hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
             return hidden + self.mlp(self.post_attention_layernorm(hidden))

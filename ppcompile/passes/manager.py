@@ -17,6 +17,7 @@ from ppcompile.passes.align_global_layers import align_global_layers
 from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.find_token_dims import find_token_dims
+from ppcompile.passes.inline_nested_regions import inline_nested_regions
 from ppcompile.passes.lift_static_inputs import lift_static_inputs
 from ppcompile.passes.plan_output_trim import plan_output_trim
 from ppcompile.passes.split_at_breaks import split_at_breaks
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 Pass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 
 PASSES: tuple[Pass, ...] = (
+    # Every later pass reasons about single ops: put the ops of nested compile regions (traced once,
+    # called per layer) back into the stage graph first.
+    inline_nested_regions,
     # Every later pass reasons about token dims: find the token symbol and annotate shapes first.
     find_token_dims,
     # Needs nothing but the flat graph; must see attention calls before they are split apart.

@@ -91,7 +91,7 @@ def test_failing_pass_is_reported_by_name(monkeypatch: pytest.MonkeyPatch, tmp_p
         run_passes(gm, ctx)
     assert isinstance(info.value.__cause__, KeyError)
     assert str(tmp_path) in str(info.value)
-    assert list(ctx.pass_times) == ["find_token_dims"]
+    assert list(ctx.pass_times) == [PASSES[0].__name__]
 
 
 def test_value_error_passes_through_unwrapped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,127 @@
+"""``inline_nested_regions``: calls of ``torch.compiler.nested_compile_region`` functions become plain ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from fx_helpers import dynamo_graph, make_ctx
+from torch import nn
+
+import ppcompile
+from ppcompile.passes.inline_nested_regions import inline_nested_regions
+
+region = getattr(torch.compiler, "nested_compile_region", None)
+pytestmark = pytest.mark.skipif(region is None, reason="this torch has no nested_compile_region")
+H = 8
+
+
+def _mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer.down(torch.relu(layer.up(x))) + x
+
+
+mlp_region = region(_mlp) if region is not None else _mlp
+
+
+@region  # type: ignore[misc]
+def _block(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A region calling a region, returning two fresh tensors."""
+    y = mlp_region(layer, x)
+    return y * 2, y.sum(dim=-1, keepdim=True)
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(H, 2 * H)
+        self.down = nn.Linear(2 * H, H)
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int, nested: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Layer() for _ in range(n))
+        self.nested = nested
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = torch.zeros_like(x[:, :1])
+        for layer in self.layers:
+            if self.nested:
+                x, s = _block(layer, x)
+                total = total + s
+            else:
+                x = mlp_region(layer, x)
+        return x, total
+
+
+def _graph(m: nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list[Any]]:
+    ppcompile.mark_token_dynamic(x)
+    return dynamo_graph(m, x, dynamic=None)
+
+
+def _hops(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if "invoke_subgraph" in str(n.target)]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_every_region_call_becomes_the_ops_of_its_subgraph(nested: bool) -> None:
+    m = Stack(4, nested)
+    x = torch.randn(5, H)
+    gm, inputs = _graph(m, x)
+    assert len(_hops(gm)) == 4  # one subgraph, called per layer: traced once
+    want = gm(*inputs)
+    result = inline_nested_regions(gm, make_ctx(gm, inputs))
+    out = result.graph_module
+    assert result.modified and not _hops(out)
+    assert not any(isinstance(c, torch.fx.GraphModule) for c in out.children())  # subgraphs dropped
+    linears = [n for n in out.graph.nodes if n.target is torch._C._nn.linear]
+    assert len(linears) == 8  # each layer's own two
+    weights = {n.args[1] for n in linears}
+    assert len(weights) == 8  # ... reading its own weights
+    for node in out.graph.nodes:  # the traced values come along: later passes read them
+        if node.op == "call_function":
+            assert "example_value" in node.meta or "val" in node.meta, node.format_node()
+    for got, exp in zip(out(*inputs), want):
+        torch.testing.assert_close(got, exp)
+    with torch.no_grad():
+        for got, exp in zip(out(*inputs), m(x)):
+            torch.testing.assert_close(got, exp)
+
+
+def test_a_graph_without_regions_is_left_alone() -> None:
+    gm, inputs = dynamo_graph(lambda t: torch.relu(t) + 1, torch.randn(4, H))
+    before = gm.code
+    result = inline_nested_regions(gm, make_ctx(gm, inputs))
+    assert not result.modified and result.graph_module.code == before
+
+
+@pytest.mark.parametrize("model", ["small-dense", "small-moe", "hidden-only", "topk"])
+def test_a_stage_with_regions_compiles_to_the_same_segments_and_numbers(model: str) -> None:
+    """The reference model with ``compile_regions``: one traced copy of each layer half, and after the
+    pass the same split, buckets and results as the flat trace."""
+    from ppcompile.models import (
+        REFERENCE_CONFIGS,
+        make_batch,
+        make_forward_context,
+        make_stage,
+        set_forward_context,
+    )
+
+    cfg = REFERENCE_CONFIGS[model].replace(num_layers=12, compile_regions=True)
+    stage = make_stage(cfg, 1, 4)
+    compiled = torch.compile(stage, backend="pp_breakable", options={"capture_sizes": [4, 8, 16]})
+    for i, n in enumerate((5, 16, 17, 1, 8)):
+        _, pos, proxies = make_batch(cfg, [n], 1, 4, seed=n)
+        if i == 0:
+            ppcompile.mark_token_dynamic(pos, proxies)
+        with torch.inference_mode(), set_forward_context(make_forward_context([n], cfg, range(3, 6))):
+            got = compiled(None, pos, pp_proxy_tensors=proxies)
+            want = stage(None, pos, pp_proxy_tensors=proxies)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0)
+    rt = [r for r in ppcompile.stage_runtimes() if r.token_symbol is not None][-1]
+    assert rt.layer_ids == (3, 4, 5) and rt.eager_reason is None
+    attention = [s for s in rt.segments if s.reason is not None and "attention" in str(s.reason)]
+    assert len(attention) == 3
