@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,15 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ppcompile.counters import counters
-from ppcompile.dynamic import mark_token_dynamic
-from ppcompile.models import ModelConfig, make_forward_context, make_stage, set_forward_context
+from ppcompile.models import ModelConfig, make_forward_context, make_stage
 from ppcompile.pipeline.inprocess import (
     StageBinding,
     StageTrace,
     raise_recompile_limit,
+    run_traced,
     stage_layer_range,
-    trace_since,
 )
 from ppcompile.proxy import PPProxyTensors
 
@@ -231,13 +228,7 @@ class DistributedStage:
         kwargs = self.binding.kwargs(self.rank, positions, input_ids=input_ids,
                                      pp_proxy_tensors=pp_proxy_tensors, inputs_embeds=inputs_embeds)
         ctx = make_forward_context(seq_lens, self.cfg, self.layers, device=self.device)
-        before = counters.snapshot() if self.compiled else None
-        start = time.perf_counter()
-        if self.compiled:
-            mark_token_dynamic(*kwargs.values())  # read when Dynamo traces; a no-op otherwise
-        with set_forward_context(ctx):
-            out = self.module(**kwargs)
-        self.trace = trace_since(self.rank, before, time.perf_counter() - start)
+        out, self.trace = run_traced(self.module, kwargs, ctx, self.rank, self.compiled)
         return out
 
     # ---------------------------------------------------------------------------------- transport

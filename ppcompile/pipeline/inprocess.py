@@ -167,14 +167,7 @@ class InProcessPipeline:
         kwargs = self.bindings[rank].kwargs(rank, positions, input_ids=input_ids,
                                             pp_proxy_tensors=pp_proxy_tensors, inputs_embeds=inputs_embeds)
         ctx = make_forward_context(seq_lens, self.cfg, self.layer_ranges[rank], device=self.device)
-        before = counters.snapshot() if self.compiled else None
-        start = time.perf_counter()
-        if self.compiled:
-            mark_token_dynamic(*kwargs.values())  # read when Dynamo traces; a no-op otherwise
-        with set_forward_context(ctx):
-            out = self.modules[rank](**kwargs)
-        seconds = time.perf_counter() - start
-        self.traces[rank] = trace_since(rank, before, seconds)
+        out, self.traces[rank] = run_traced(self.modules[rank], kwargs, ctx, rank, self.compiled)
         return out
 
     def forward(
@@ -227,6 +220,20 @@ def stage_layer_range(cfg: ModelConfig, stage: nn.Module, rank: int, pp_size: in
     if start is None or end is None:
         start, end = get_pp_indices(cfg.num_layers, rank, pp_size)
     return range(int(start), int(end))
+
+
+def run_traced(
+    module: Any, kwargs: Mapping[str, Any], ctx: Any, rank: int, compiled: bool
+) -> tuple[Any, StageTrace]:
+    """``module(**kwargs)`` once under forward context ``ctx``, and how the call was served. A compiled
+    stage's inputs get their token dims marked first (read when Dynamo traces; a no-op otherwise)."""
+    if compiled:
+        mark_token_dynamic(*kwargs.values())
+    before = counters.snapshot() if compiled else None
+    start = time.perf_counter()
+    with set_forward_context(ctx):
+        out = module(**kwargs)
+    return out, trace_since(rank, before, time.perf_counter() - start)
 
 
 def trace_since(rank: int, before: dict[str, Any] | None, seconds: float) -> StageTrace:
