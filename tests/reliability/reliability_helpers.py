@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from mixer_stage import MixerStage, register_mixer
 from torch import nn
 
 import ppcompile
@@ -22,38 +23,20 @@ SIZES = [4, 8, 16]
 HOOK: dict[str, Callable[[torch.Tensor], None] | None] = {"fn": None}
 
 
-@torch.library.custom_op("pptest_rel::mixer", mutates_args=())
-def mixer(x: torch.Tensor) -> torch.Tensor:
-    """Causal mean plus the mean over all rows; calls ``HOOK["fn"]`` first when set."""
+def _run_hook(x: torch.Tensor) -> None:
     hook = HOOK["fn"]
     if hook is not None:
         hook(x)
-    count = torch.arange(1, x.shape[0] + 1, dtype=x.dtype, device=x.device)[:, None]
-    return x.cumsum(0) / count + x.mean(0, keepdim=True)
 
 
-@mixer.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+mixer = register_mixer("pptest_rel::mixer", _run_hook)
 
 
-class Stage(nn.Module):
+class Stage(MixerStage):
     """graph (up) | break (mixer) | graph (down); inputs ``x``, ``residual``; two outputs."""
 
     def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.up = nn.Linear(H, 2 * H)
-        self.down = nn.Linear(2 * H, H)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch.relu(self.up(x + residual))
-        h = torch.ops.pptest_rel.mixer(h)
-        out = self.down(h)
-        return out, out + residual
+        super().__init__(torch.ops.pptest_rel.mixer, H, seed)
 
 
 class FeedbackStage(nn.Module):

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from mixer_stage import MixerStage, register_mixer
 from torch import nn
 
 import ppcompile
@@ -27,30 +28,7 @@ SIZES = [4, 8, 16, 32]
 seen_rows: list[int] = []
 
 
-@torch.library.custom_op("pptest_rt::gpu_mixer", mutates_args=())
-def gpu_mixer(x: torch.Tensor) -> torch.Tensor:
-    """Causal mean plus the mean over all rows (depends on the live row count, like attention)."""
-    seen_rows.append(x.shape[0])
-    count = torch.arange(1, x.shape[0] + 1, dtype=x.dtype, device=x.device)[:, None]
-    return x.cumsum(0) / count + x.mean(0, keepdim=True)
-
-
-@gpu_mixer.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-class Stage(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(H, 2 * H)
-        self.down = nn.Linear(2 * H, H)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch.relu(self.up(x + residual))
-        h = torch.ops.pptest_rt.gpu_mixer(h)
-        out = self.down(h)
-        return out, out + residual
+register_mixer("pptest_rt::gpu_mixer", lambda x: seen_rows.append(x.shape[0]))
 
 
 @pytest.fixture(autouse=True)
@@ -63,9 +41,8 @@ def _fresh() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _stage() -> Stage:
-    torch.manual_seed(0)
-    return Stage().cuda()
+def _stage() -> MixerStage:
+    return MixerStage(torch.ops.pptest_rt.gpu_mixer, H).cuda()
 
 
 def _compile(m: nn.Module, **options: Any) -> Any:
@@ -137,20 +114,6 @@ def test_cuda_graphs_under_inference_mode() -> None:
     assert counters.replays == 4 and counters.eager_runs == 0
 
 
-class _Wide(nn.Module):
-    """Wide enough that graph outputs dominate the pool (MiB per bucket, not the 2 MiB block size)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch.ops.pptest_rt.gpu_mixer(torch.relu(self.up(x + residual)))
-        out = self.down(h)
-        return out, out + residual
-
-
 def _pool_bytes(pool: Any) -> int:
     """Bytes of the CUDA caching allocator's segments that belong to the graph pool ``pool``."""
     segments = torch.cuda.memory_snapshot()
@@ -169,7 +132,7 @@ def test_buckets_share_the_graph_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     def run(share: bool) -> int:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        m = _Wide(width).cuda()
+        m = MixerStage(torch.ops.pptest_rt.gpu_mixer, width).cuda()  # MiBs of outputs per bucket
         with monkeypatch.context() as mp:
             if not share:
                 mp.setattr(CudaGraphExecutor, "bucket_captured", GraphExecutor.bucket_captured)

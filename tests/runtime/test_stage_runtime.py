@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from mixer_stage import MixerStage, register_mixer
 from torch import nn
 
 import ppcompile
@@ -28,17 +29,7 @@ SIZES = [4, 8, 16]
 seen_rows: list[int] = []
 
 
-@torch.library.custom_op("pptest_rt::mixer", mutates_args=())
-def mixer(x: torch.Tensor) -> torch.Tensor:
-    """Causal mean plus the mean over all rows: every output row depends on the live row count."""
-    seen_rows.append(x.shape[0])
-    count = torch.arange(1, x.shape[0] + 1, dtype=x.dtype, device=x.device)[:, None]
-    return x.cumsum(0) / count + x.mean(0, keepdim=True)
-
-
-@mixer.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+mixer = register_mixer("pptest_rt::mixer", lambda x: seen_rows.append(x.shape[0]))
 
 
 def _mixer_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -54,23 +45,11 @@ def _mixer_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 mixer.register_autograd(_mixer_backward, setup_context=_mixer_setup)
 
 
-class Stage(nn.Module):
+class Stage(MixerStage):
     """graph (up) | break (mixer) | graph (down); two live inputs, two outputs."""
 
     def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.up = nn.Linear(H, 2 * H)
-        self.down = nn.Linear(2 * H, H)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch.relu(self.up(x + residual))
-        h = torch.ops.pptest_rt.mixer(h)
-        out = self.down(h)
-        return out, out + residual
+        super().__init__(torch.ops.pptest_rt.mixer, H, seed)
 
 
 class HalfStage(nn.Module):
