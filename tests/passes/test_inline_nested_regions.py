@@ -125,3 +125,40 @@ def test_a_stage_with_regions_compiles_to_the_same_segments_and_numbers(model: s
     assert rt.layer_ids == (3, 4, 5) and rt.eager_reason is None
     attention = [s for s in rt.segments if s.reason is not None and "attention" in str(s.reason)]
     assert len(attention) == 3
+
+
+def _attention_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    q, k, v = (proj(x).view(-1, 2, H // 2).transpose(0, 1) for proj in (layer.q, layer.k, layer.v))
+    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return x + layer.o(a.transpose(0, 1).reshape(-1, H))
+
+
+attention_region = region(_attention_layer) if region is not None else _attention_layer
+
+
+class AttentionStack(nn.Module):
+    """Whole layers as one region each, attention included: fine when nothing in it differs per layer."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.ModuleDict({p: nn.Linear(H, H) for p in "qkvo"}) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = attention_region(layer, x)
+        return x
+
+
+def test_a_region_holding_a_break_op_splits_there_once_inlined() -> None:
+    m = AttentionStack(3)
+    compiled = torch.compile(m, backend="pp_breakable", options={"capture_sizes": [8, 16]})
+    with ppcompile.counters.expect(replays=2, backend_compiles=1):
+        for i, n in enumerate((10, 16)):
+            x = torch.randn(n, H)
+            if i == 0:
+                ppcompile.mark_token_dynamic(x)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), m(x))
+    rt = ppcompile.stage_runtimes()[-1]
+    assert [s.is_graph for s in rt.segments] == [True, False] * 3 + [True]
