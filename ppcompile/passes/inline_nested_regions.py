@@ -74,7 +74,9 @@ def _inline_call(
     graph = gm.graph
     env: dict[torch.fx.Node, Any] = {}
     placeholders = list(sub.graph.find_nodes(op="placeholder"))
-    operands = node.args[2:]
+    operands = node.args[2:]  # (subgraph, identifier, *operands); older torch: one operands tuple
+    if len(operands) == 1 and isinstance(operands[0], (tuple, list)) and len(placeholders) != 1:
+        operands = tuple(operands[0])
     if len(placeholders) != len(operands):
         raise ValueError(f"pp_breakable: {node.name} passes {len(operands)} operands to a subgraph with "
                          f"{len(placeholders)} inputs")
