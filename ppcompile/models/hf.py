@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ppcompile.models.layers import PPMissingLayer
+from ppcompile.models.layers import PPMissingLayer, nested_region
 from ppcompile.models.stage import get_pp_indices
 from ppcompile.proxy import PPProxyTensors
 
@@ -157,7 +157,9 @@ class HFStage(nn.Module):
     ``layers[i]`` keeps global numbering (other stages' layers are ``PPMissingLayer`` placeholders), so
     parameter names match the HF model's. Modules are shared with ``model``, not copied. ``layer_range``
     overrides the ``get_pp_indices`` split; ``varlen=True`` serves several sequences packed into one
-    forward (see the module docstring).
+    forward (see the module docstring). ``compile_regions=True`` calls each decoder layer as a
+    ``torch.compiler.nested_compile_region`` (whole layers, attention included: without a KV cache an HF
+    layer holds nothing that differs per layer), so Dynamo traces one layer, not all of them.
     """
 
     def __init__(
@@ -167,8 +169,10 @@ class HFStage(nn.Module):
         pp_size: int = 1,
         layer_range: tuple[int, int] | None = None,
         varlen: bool = False,
+        compile_regions: bool = False,
     ) -> None:
         super().__init__()
+        self.compile_regions = compile_regions
         base = _decoder(model)
         num_layers = len(base.layers)
         if not 0 <= pp_rank < pp_size:
@@ -231,19 +235,28 @@ class HFStage(nn.Module):
             for kind in sorted(set(self.layer_types))
         }
         position_embeddings = self.rotary_emb(hidden, position_ids)
+        call = _layer_region if self.compile_regions else _run_layer
         for i, kind in zip(range(self.start_layer, self.end_layer), self.layer_types):
-            out = self.layers[i](
-                hidden,
-                attention_mask=masks[kind],
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-            )
-            hidden = out[0] if isinstance(out, tuple) else out  # older transformers return a tuple
+            hidden = call(self.layers[i], hidden, masks[kind], position_ids, position_embeddings)
         if self.norm is not None and self.lm_head is not None:
             return self.lm_head(self.norm(hidden))[0]
         return PPProxyTensors({"hidden_states": hidden[0]})
 
 
-def make_hf_stages(model: nn.Module, pp_size: int, varlen: bool = False) -> list[HFStage]:
+def _run_layer(
+    layer: nn.Module, hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor, position_embeddings: Any
+) -> torch.Tensor:
+    out = layer(hidden, attention_mask=mask, position_ids=position_ids,
+                position_embeddings=position_embeddings)
+    return out[0] if isinstance(out, tuple) else out  # older transformers return a tuple
+
+
+_layer_region = nested_region(_run_layer)
+
+
+def make_hf_stages(
+    model: nn.Module, pp_size: int, varlen: bool = False, compile_regions: bool = False
+) -> list[HFStage]:
     """All ``pp_size`` stages of ``model``, split by ``get_pp_indices`` (sharing ``model``'s modules)."""
-    return [HFStage(model, rank, pp_size, varlen=varlen) for rank in range(pp_size)]
+    return [HFStage(model, rank, pp_size, varlen=varlen, compile_regions=compile_regions)
+            for rank in range(pp_size)]

@@ -139,7 +139,7 @@ class MoE(nn.Module):
         return out
 
 
-def _nested_region(fn: Any) -> Any:
+def nested_region(fn: Any) -> Any:
     """``torch.compiler.nested_compile_region(fn)`` where torch has it (Dynamo traces ``fn`` once and
     reuses the trace for every layer), else ``fn``. A no-op outside ``torch.compile``."""
     region = getattr(torch.compiler, "nested_compile_region", None)
@@ -149,7 +149,7 @@ def _nested_region(fn: Any) -> Any:
 # The attention-free halves of a decoder layer, as nested compile regions (cfg.compile_regions). They
 # hold no layer id (a constant that differs per layer would defeat reuse) and return no view of an
 # input (regions may not alias). Each is the layer's own code, only regrouped.
-@_nested_region
+@nested_region
 def _before_attention(
     layer: DecoderLayer, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +157,7 @@ def _before_attention(
     return (*layer.self_attn.qkv(positions, hidden), residual)
 
 
-@_nested_region
+@nested_region
 def _after_attention(
     layer: DecoderLayer, out: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,14 +165,14 @@ def _after_attention(
     return layer.mlp(hidden), residual
 
 
-@_nested_region
+@nested_region
 def _before_attention_hidden_only(
     layer: DecoderLayer, positions: torch.Tensor, hidden: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return layer.self_attn.qkv(positions, layer.input_layernorm(hidden))
 
 
-@_nested_region
+@nested_region
 def _after_attention_hidden_only(
     layer: DecoderLayer, hidden: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:

@@ -225,3 +225,31 @@ def test_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert " 16 tokens: 2 of 2 stages replayed graphs" in out
     assert " 40 tokens: 0 of 2 stages replayed graphs" in out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_layers_as_nested_regions_trace_once_and_match(family: str) -> None:
+    """``compile_regions=True``: each HF decoder layer is a nested compile region (Dynamo traces one),
+    inlined by the backend: the same breaks and results as the flat trace."""
+    if getattr(transformers, TINY_FAMILIES[family][0], None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {TINY_FAMILIES[family][0]}")
+    model = tiny_causal_lm(family, num_hidden_layers=4)
+    flat = make_hf_stages(model, 2)
+    stages = [torch.compile(s, backend="pp_breakable", options=OPTIONS)
+              for s in make_hf_stages(model, 2, compile_regions=True)]
+    with torch.inference_mode():
+        for i, n in enumerate((8, 9, 3, 20)):  # a bucket (first call), bucket + 1, padded, above the cap
+            ids, positions = _ids(n), torch.arange(n)
+            if i == 0:
+                ppcompile.mark_token_dynamic(ids, positions)
+            proxies = stages[0](ids, positions)
+            if i == 0:
+                ppcompile.mark_token_dynamic(proxies)
+            logits = stages[1](None, positions, pp_proxy_tensors=proxies)
+            torch.testing.assert_close(logits, _pipeline(flat, ids, positions), rtol=1e-5, atol=1e-5)
+    assert ppcompile.counters.replays == 6  # 8, 9 and 3 tokens through both stages; 20 is above the cap
+    graphed = [rt for rt in ppcompile.stage_runtimes()[-2:] if rt.eager_reason is None]
+    assert len(graphed) == 2
+    for rt in graphed:
+        attention = [r for r in rt.break_reasons if r.kind is BreakKind.ATTENTION]
+        assert len(attention) == 2  # two layers per stage, each split at its attention once inlined
