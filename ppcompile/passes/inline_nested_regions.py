@@ -124,11 +124,10 @@ def inline_nested_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
             calls += 1
     if not calls:
         return PassResult(gm, modified=False)
-    used = {str(n.target) for n in gm.graph.find_nodes(op="get_attr")}
     for ref in list(gm.graph.find_nodes(op="get_attr")):
         if not ref.users:
             gm.graph.erase_node(ref)
-            used.discard(str(ref.target))
+    used = {str(n.target) for n in gm.graph.find_nodes(op="get_attr")}
     for name, child in list(gm.named_children()):
         if isinstance(child, torch.fx.GraphModule) and name not in used:
             delattr(gm, name)
