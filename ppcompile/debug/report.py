@@ -22,6 +22,7 @@ import torch
 
 from ppcompile.debug.capture import capture_records
 from ppcompile.debug.dumps import emit_artifact, stage_dir, write_graph, write_text
+from ppcompile.runtime.executors import EXECUTORS
 from ppcompile.symbolic import SizeFn, example_value, size_expr
 
 if TYPE_CHECKING:
@@ -264,8 +265,8 @@ def _memory(runtime: StageRuntime, buffers: list[dict[str, Any]], info: _StageIn
     static = sum(b["bytes"] for b in buffers)
     mems = list(info.memory.values()) if info is not None and runtime.eager_reason is None else []
     per_bucket = [sum(m.output_bytes(b) for m in mems) for b in runtime.plan.sizes]
-    # Graphs in one pool whose outputs nobody holds share memory across buckets (executors.py).
-    shared = runtime.graph_mode in ("emulate", "cuda")
+    executor = EXECUTORS.get(runtime.graph_mode)  # its buckets may share graph output memory
+    shared = executor is not None and executor.shares_outputs
     outputs = max(per_bucket, default=0) if shared else sum(per_bucket)
     transient = max((m.transient_bytes(runtime.plan.cap) for m in mems), default=0)
     done = [r for r in records if r.failed is None]

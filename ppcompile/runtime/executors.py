@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "EXECUTORS",
     "CudaGraphExecutor",
     "EagerExecutor",
     "EmulatedGraphExecutor",
@@ -290,12 +291,17 @@ class CudaGraphExecutor(GraphExecutor):
         return c.outputs
 
 
+EXECUTORS: dict[str, type[GraphExecutor]] = {
+    "cuda": CudaGraphExecutor,
+    "emulate": EmulatedGraphExecutor,
+    "eager": EagerExecutor,
+}
+"""The executor class of each resolved graph mode (``none`` has none: it captures nothing)."""
+
+
 def make_executor(mode: str, debug: bool) -> GraphExecutor:
     """The executor for a resolved graph mode: ``cuda``, ``emulate`` or ``eager``."""
-    if mode == "cuda":
-        return CudaGraphExecutor(debug)
-    if mode == "emulate":
-        return EmulatedGraphExecutor(debug)
-    if mode == "eager":
-        return EagerExecutor(debug)
-    raise ValueError(f"pp_breakable: no executor for graph mode {mode!r}")
+    cls = EXECUTORS.get(mode)
+    if cls is None:
+        raise ValueError(f"pp_breakable: no executor for graph mode {mode!r}")
+    return cls(debug)
