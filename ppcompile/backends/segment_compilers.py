@@ -396,7 +396,7 @@ def compile_segments(
     segment: its structural key, whether it was compiled or reused, and the time spent."""
     config = ctx.config
     placeholders = {p: i for i, p in enumerate(split.graph.find_nodes(op="placeholder"))}
-    inductor_config = _inductor_config_hash() if config.segment_compiler == "inductor" else ""
+    inductor_settings = _inductor_config_hash() if config.segment_compiler == "inductor" else ""
     callables: dict[str, SegmentFn] = {}
     records: list[SegmentCompile] = []
     calls = list(split.graph.find_nodes(op="call_module"))
@@ -412,8 +412,8 @@ def compile_segments(
             callables[name] = _generated_forward(sub)
             continue
         sizes = tuple(config.compile_sizes)
-        options = {"compiler": compiler, "compile_sizes": sizes, "inductor_config": inductor_config,
-                   "inductor_patches": sorted(config.inductor_config.items())}
+        options = {"compiler": compiler, "compile_sizes": sizes, "inductor_settings": inductor_settings,
+                   "inductor_config": sorted(config.inductor_config.items())}
         key = structural_key(sub, _input_kinds(node, placeholders, ctx), options)
         try:
             fn, seconds, reused, done = _compile_shared(sub, key, sizes, ctx)
