@@ -32,13 +32,11 @@ register_mixer("pptest_rt::gpu_mixer", lambda x: seen_rows.append(x.shape[0]))
 
 
 @pytest.fixture(autouse=True)
-def _fresh() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.reset()
+def _fresh(fresh_dynamo: None) -> Iterator[None]:
+    """Fresh Dynamo and counters (tests/conftest.py), no rows seen yet, no autograd."""
     seen_rows.clear()
     with torch.no_grad():
         yield
-    torch._dynamo.reset()
 
 
 def _stage() -> MixerStage:

@@ -100,13 +100,11 @@ def _graph_steps(rt: StageRuntime) -> list[int]:
 
 
 @pytest.fixture(autouse=True)
-def _fresh() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.reset()
+def _fresh(fresh_dynamo: None) -> Iterator[None]:
+    """Fresh Dynamo and counters (tests/conftest.py), no rows seen yet, no autograd."""
     seen_rows.clear()
     with torch.no_grad():
         yield
-    torch._dynamo.reset()
 
 
 # ----------------------------------------------------------------------------------------- numerics
