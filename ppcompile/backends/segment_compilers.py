@@ -43,6 +43,7 @@ from ppcompile.records import InputKind
 from ppcompile.symbolic import example_value, size_expr
 
 __all__ = [
+    "SEGMENT_INDUCTOR_DEFAULTS",
     "SegmentCompile",
     "SizeDispatch",
     "clear_segment_cache",
@@ -50,6 +51,8 @@ __all__ = [
     "compile_segments",
     "compile_times",
     "dynamo_trace_seconds",
+    "segment_inductor_config",
+    "segments_skip_size_asserts",
     "structural_key",
 ]
 
@@ -73,6 +76,25 @@ class SegmentCompile:
     seconds: float  # compile time spent for this segment (0.0 when reused)
     reused: bool
     sizes: tuple[int, ...] = ()  # buckets with a specialised (static-shape) artifact
+
+
+SEGMENT_INDUCTOR_DEFAULTS: Mapping[str, Any] = {"size_asserts": False}
+"""Inductor settings of every segment compile unless ``inductor_config`` sets them. ``size_asserts``:
+Inductor checks the size and stride of every input per call (about 0.5 us each, ~10 per decoder
+segment). A segment's inputs are Dynamo-guarded stage inputs and parameters, outputs of other compiled
+segments (laid out as traced), static buffers (allocated as traced) or break outputs, which the runtime
+checks itself (``runtime/live_code.py``), once per output rather than once per reading segment."""
+
+
+def segment_inductor_config(config: Any) -> dict[str, Any]:
+    """The Inductor settings segments are compiled with: the defaults, then ``config.inductor_config``."""
+    return {**SEGMENT_INDUCTOR_DEFAULTS, **config.inductor_config}
+
+
+def segments_skip_size_asserts(config: Any) -> bool:
+    """Whether Inductor segments are compiled without input size asserts (the runtime then checks the
+    break outputs they read)."""
+    return config.segment_compiler == "inductor" and not segment_inductor_config(config)["size_asserts"]
 
 
 def clear_segment_cache() -> None:
@@ -213,6 +235,23 @@ def _float_symbols_hidden() -> Iterator[None]:
         values.update(hidden)
 
 
+def _without_dynamo_disable(fn: SegmentFn) -> SegmentFn:
+    """``fn`` without the ``torch._dynamo.disable`` wrappers ``compile_fx`` puts around its artifact.
+
+    Each wrapper switches Dynamo's frame callback off and back on per call (about 1.5 us). A segment
+    only ever runs inside its ``StageRuntime``, which Dynamo calls through a disable wrapper of its own
+    ("do not trace Dynamo-compiled graph"), so the inner ones change nothing but the cost.
+    """
+    # Only a wrapper itself: ``functools.wraps`` copies these attributes onto functions that wrap one
+    # (Inductor's output unflattening), and those must stay. Its id stamp tells them apart.
+    while getattr(fn, "_torchdynamo_disable", False) and getattr(fn, "_torchdynamo_wrapper_id", 0) == id(fn):
+        inner = getattr(fn, "_torchdynamo_orig_callable", None)
+        if not callable(inner):
+            break
+        fn = inner
+    return fn
+
+
 def _compile_symbolic(gm: torch.fx.GraphModule, patches: Mapping[str, Any] | None = None) -> SegmentFn:
     """Inductor over the traced (fake, symbolic) inputs, inside Dynamo's tracing context."""
     from torch._inductor.compile_fx import compile_fx
@@ -221,7 +260,7 @@ def _compile_symbolic(gm: torch.fx.GraphModule, patches: Mapping[str, Any] | Non
     with _float_symbols_hidden():
         compiled: SegmentFn = compile_fx(  # type: ignore[assignment]
             _copy(gm), inputs, config_patches=dict(patches) if patches else None)
-    return compiled
+    return _without_dynamo_disable(compiled)
 
 
 def _concrete(v: Any, env: Mapping[sympy.Symbol, int]) -> Any:
@@ -264,7 +303,7 @@ def _compile_static(
     with tracing(TracingContext(fake_mode)):
         compiled: SegmentFn = compile_fx(  # type: ignore[assignment]
             fresh, inputs, config_patches=dict(patches) if patches else None)
-    return compiled
+    return _without_dynamo_disable(compiled)
 
 
 def _token_locator(gm: torch.fx.GraphModule, token_symbol: sympy.Symbol) -> tuple[int, int] | None:
@@ -340,7 +379,7 @@ def _compile_shared(
         return fn, 0.0, True, tuple(fn.by_size) if isinstance(fn, SizeDispatch) else ()
     start = time.perf_counter()
     before = _shape_facts(shape_env)
-    patches = ctx.config.inductor_config
+    patches = segment_inductor_config(ctx.config)
     fn = _compile_symbolic(sub, patches)
     # A guard Inductor added is installed for this Dynamo graph only: confine the artifact to it.
     confined = weakref.ref(shape_env) if _shape_facts(shape_env) != before else None
@@ -413,7 +452,7 @@ def compile_segments(
             continue
         sizes = tuple(config.compile_sizes)
         options = {"compiler": compiler, "compile_sizes": sizes, "inductor_settings": inductor_settings,
-                   "inductor_config": sorted(config.inductor_config.items())}
+                   "inductor_config": sorted(segment_inductor_config(config).items())}
         key = structural_key(sub, _input_kinds(node, placeholders, ctx), options)
         try:
             fn, seconds, reused, done = _compile_shared(sub, key, sizes, ctx)

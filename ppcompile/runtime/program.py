@@ -37,7 +37,7 @@ class Ref:
 class Step:
     index: int
     segment: Segment
-    fn: SegmentFn
+    fn: SegmentFn  # returns a sequence of outputs, also for a one-output segment
     args: tuple[Ref, ...]
     out_slots: tuple[int, ...]  # -1 for an output nobody reads as a tensor
     live_views: tuple[int, ...] = ()  # graph tensor outputs that breaks or callers read at live size
@@ -49,6 +49,11 @@ class Step:
     writes: tuple[tuple[int, int], ...] = ()
     # Per output, from the traced values: a tensor's size per dim, a number's value, or None.
     out_sizes: tuple[tuple[SizeFn, ...] | SizeFn | None, ...] = ()
+    # Per output, a tensor's stride per dim (else None): the layout graph segments were compiled for.
+    out_strides: tuple[tuple[SizeFn, ...] | None, ...] = ()
+    # The segment's callable as compiled: returns its one output bare when ``single_output``.
+    call: Callable[..., Any] | None = None
+    single_output: bool = False
 
     def output_shapes(self, env: Mapping[sympy.Symbol, int]) -> list[tuple[int, ...] | int | None]:
         """What each output is for ``env``: a tensor's shape, a number's value, None if unknown."""
@@ -73,6 +78,9 @@ class Program:
     token_dims: dict[int, tuple[tuple[int, SizeFn], ...]]  # slot -> (dim, live size) to narrow
     bridge_buffers: dict[int, StaticBuffer]
     input_buffers: dict[int, StaticBuffer]
+    # Tensor inputs: slot -> (name, size per dim, stride per dim) as traced.
+    input_layouts: dict[int, tuple[str, tuple[SizeFn, ...], tuple[SizeFn, ...]]] = dataclasses.field(
+        default_factory=dict)
 
 
 def _unwrap_single(fn: Callable[..., Any]) -> SegmentFn:
@@ -82,11 +90,14 @@ def _unwrap_single(fn: Callable[..., Any]) -> SegmentFn:
     return call
 
 
-def _output_sizes(out: torch.fx.Node, multi: bool) -> tuple[tuple[SizeFn, ...] | SizeFn | None, ...]:
+def _output_values(out: torch.fx.Node, multi: bool) -> list[Any]:
     values = out.args[0] if multi else (out.args[0],)
+    return [example_value(v) if isinstance(v, torch.fx.Node) else v for v in values]  # type: ignore[union-attr]
+
+
+def _output_sizes(out: torch.fx.Node, multi: bool) -> tuple[tuple[SizeFn, ...] | SizeFn | None, ...]:
     sizes: list[tuple[SizeFn, ...] | SizeFn | None] = []
-    for v in values:  # type: ignore[union-attr]
-        ev = example_value(v) if isinstance(v, torch.fx.Node) else v
+    for ev in _output_values(out, multi):
         if isinstance(ev, torch.Tensor):
             sizes.append(tuple(SizeFn(size_expr(d)) for d in ev.shape))
         elif isinstance(ev, (int, torch.SymInt)) and not isinstance(ev, bool):
@@ -94,6 +105,13 @@ def _output_sizes(out: torch.fx.Node, multi: bool) -> tuple[tuple[SizeFn, ...] |
         else:
             sizes.append(None)
     return tuple(sizes)
+
+
+def _output_strides(out: torch.fx.Node, multi: bool) -> tuple[tuple[SizeFn, ...] | None, ...]:
+    return tuple(
+        tuple(SizeFn(size_expr(d)) for d in ev.stride()) if isinstance(ev, torch.Tensor) else None
+        for ev in _output_values(out, multi)
+    )
 
 
 def build_program(
@@ -145,6 +163,9 @@ def build_program(
             arg_slots=None if any(r.size is not None for r in refs) else tuple(r.slot for r in refs),
             writes=tuple((i, s) for i, s in enumerate(out_slots) if s >= 0),
             out_sizes=_output_sizes(out, multi),
+            out_strides=_output_strides(out, multi),
+            call=fn,
+            single_output=not multi,
         ))
 
     (output,) = split.graph.find_nodes(op="output")
@@ -178,4 +199,9 @@ def build_program(
         token_dims=token_dims,
         bridge_buffers=bridge_buffers,
         input_buffers=input_buffers,
+        input_layouts={
+            slots[p]: (p.name, tuple(SizeFn(size_expr(d)) for d in ev.shape),
+                       tuple(SizeFn(size_expr(d)) for d in ev.stride()))
+            for p in placeholders if isinstance(ev := example_value(p), torch.Tensor)
+        },
     )

@@ -32,12 +32,14 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.backends.segment_compilers import segments_skip_size_asserts
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.passes.context import PassContext
 from ppcompile.records import InputKind
 from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.executors import GraphExecutor, make_executor
+from ppcompile.runtime.live_code import checked_values, make_live_forward
 from ppcompile.runtime.program import Program, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import allocate, copy_in, narrow_to
@@ -107,6 +109,12 @@ class StageRuntime:
         self._token_slot = next((i for i, e in self._symbol_slots if e == ctx.token_symbol), None)
         self._token_input = ctx.token_input
         self._states: dict[tuple[Any, ...], _InstanceState] = {}
+        # Inductor segments compiled without input asserts: what they read at the live size that
+        # neither Dynamo's guards nor another compiled segment vouches for is checked (live_code.py).
+        tensor_inputs = [i for i, k in enumerate(ctx.input_kinds) if k is InputKind.TENSOR]
+        checked = (checked_values(program, tensor_inputs)
+                   if segments_skip_size_asserts(config) and not ctx.is_static else [])
+        self._live_forward = make_live_forward(program, name, checked)
         self._owned_slots = frozenset(s for st in program.steps if st.segment.is_graph for s in st.live_views)
         self._warned: set[str] = set()
         # Reliability (docs/reliability.md): input checks, aliased inputs, debug stale-output tracking.
@@ -236,23 +244,10 @@ class StageRuntime:
                 state.tracker.end_call()
 
     def run_eager(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Every segment on live tensors: no static buffers, no graphs."""
+        """Every segment on live tensors: no static buffers, no graphs (``live_code.py``)."""
         counters.eager_runs += 1
         env = self._env(args, self.num_tokens(args)) if self.token_symbol is not None else self._env(args, 0)
-        live: list[Any] = list(args) + [None] * (self.program.num_slots - len(args))
-        step = None
-        try:
-            for step in self.program.steps:
-                slots = step.arg_slots
-                outs = step.fn(*([live[s] for s in slots] if slots is not None else
-                                 [live[r.slot] if r.size is None else r.size(env) for r in step.args]))
-                for i, s in step.writes:
-                    live[s] = outs[i]
-        except BaseException as e:
-            where = f"segment {step.segment.name}" if step is not None else "setup"
-            _add_note(e, f"pp_breakable: raised in {where} of {self.name}, run eagerly")
-            raise
-        return self._outputs(live, env, owned=False)
+        return self._live_forward(args, env)
 
     def _run_graphs(self, state: _InstanceState, args: tuple[Any, ...], n: int, b: int) -> tuple[Any, ...]:
         program = self.program

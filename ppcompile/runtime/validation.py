@@ -24,11 +24,19 @@ import torch
 from ppcompile.passes.context import StaticInputPlan
 from ppcompile.symbolic import SizeFn
 
-__all__ = ["InputMismatchError", "InputSpec", "aliased_slots", "check_inputs", "input_specs", "storages_of"]
+__all__ = [
+    "GUARD_HINT",
+    "InputMismatchError",
+    "InputSpec",
+    "aliased_slots",
+    "check_inputs",
+    "input_specs",
+    "storages_of",
+]
 
 Env = Mapping[sympy.Symbol, int]
 
-_GUARD_HINT = (
+GUARD_HINT = (
     "Dynamo's guards normally recompile the stage for such an input; they were skipped here "
     "(guard_filter_fn, a custom dispatcher or a direct call). Pass inputs that match the compiled graph, "
     "or keep Dynamo's guards so that it recompiles"
@@ -97,7 +105,7 @@ def check_inputs(
     """
     if len(args) != num_inputs:
         raise InputMismatchError(
-            f"pp_breakable: {stage} was called with {len(args)} inputs, expected {num_inputs}. {_GUARD_HINT}"
+            f"pp_breakable: {stage} was called with {len(args)} inputs, expected {num_inputs}. {GUARD_HINT}"
         )
     for spec in specs:
         t = args[spec.slot]
@@ -120,7 +128,7 @@ def check_inputs(
 
 def _mismatch(stage: str, spec: InputSpec, what: str, expected: Any, got: Any) -> InputMismatchError:
     return InputMismatchError(
-        f"pp_breakable: input {spec.name!r} of {stage}: expected {what} {expected}, got {got}. {_GUARD_HINT}"
+        f"pp_breakable: input {spec.name!r} of {stage}: expected {what} {expected}, got {got}. {GUARD_HINT}"
     )
 
 
@@ -144,7 +152,7 @@ def _shape_mismatch(
                 f"the inputs' token dims: {', '.join(sized)})")
     return InputMismatchError(
         f"pp_breakable: input {spec.name!r} of {stage}: expected shape {want}, got {list(shape)}{note}. "
-        f"{_GUARD_HINT}"
+        f"{GUARD_HINT}"
     )
 
 

@@ -11,6 +11,7 @@ from stage_helpers import check, graphed_runtime, run
 
 import ppcompile
 from ppcompile.backends import segment_compilers
+from ppcompile.backends.segment_compilers import SEGMENT_INDUCTOR_DEFAULTS
 from ppcompile.models import REFERENCE_CONFIGS, make_stage
 
 PP = 4
@@ -80,18 +81,18 @@ def test_inductor_config_reaches_every_segment_compile_and_keys_the_sharing(
             depth[0] -= 1
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
-    patched = {**OPTIONS, "inductor_config": {"size_asserts": False}}
+    patched = {**OPTIONS, "inductor_config": {"size_asserts": True, "epilogue_fusion": False}}
     stages = [make_stage(CFG, 1, PP) for _ in range(2)]
     with ppcompile.counters.expect(segment_compiles=UNIQUE):
         check(stages[0], torch.compile(stages[0], backend="pp_breakable", dynamic=True, options=patched),
               CFG, 1, PP, 16)
-    assert seen == [{"size_asserts": False}] * UNIQUE
+    assert seen == [{"size_asserts": True, "epilogue_fusion": False}] * UNIQUE
     patched_keys = [r.key for r in graphed_runtime().segment_compiles]
     # Other settings are other artifacts: nothing is shared with the patched compiles.
     with ppcompile.counters.expect(segment_compiles=UNIQUE):
         check(stages[1], torch.compile(stages[1], backend="pp_breakable", dynamic=True, options=OPTIONS),
               CFG, 1, PP, 16)
-    assert seen[UNIQUE:] == [None] * UNIQUE
+    assert seen[UNIQUE:] == [dict(SEGMENT_INDUCTOR_DEFAULTS)] * UNIQUE  # ppcompile's own defaults
     plain_keys = [r.key for r in graphed_runtime().segment_compiles]
     assert not set(patched_keys) & set(plain_keys)
 

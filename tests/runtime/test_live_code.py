@@ -1,0 +1,154 @@
+"""The generated live forward (``runtime/live_code.py``) and the layout checks it makes for Inductor
+segments compiled without Inductor's input asserts."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from mixer_stage import MixerStage, mix_rows, register_mixer
+
+import ppcompile
+from ppcompile.runtime.live_code import LayoutMismatchError
+from ppcompile.runtime.validation import InputMismatchError
+
+H = 8
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
+
+mixer = register_mixer("pptest_live::mixer", lambda x: None)
+
+
+@torch.library.custom_op("pptest_live::column_major", mutates_args=())
+def column_major(x: torch.Tensor) -> torch.Tensor:
+    """The mixer, returned column-major: its fake implementation below says row-major."""
+    return mix_rows(x).t().contiguous().t()
+
+
+@column_major.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pptest_live::one_row_short", mutates_args=())
+def one_row_short(x: torch.Tensor) -> torch.Tensor:
+    """The mixer without its last row: its fake implementation below promises every row."""
+    return mix_rows(x)[:-1].clone()
+
+
+@one_row_short.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _compile(m: torch.nn.Module, **options: Any) -> Any:
+    guard_filter_fn = options.pop("guard_filter_fn", None)
+    opts: dict[str, Any] = {"segment_compiler": "inductor", "graph_mode": "none", **options}
+    if guard_filter_fn is not None:
+        opts["guard_filter_fn"] = guard_filter_fn
+    return torch.compile(m, backend="pp_breakable", options=opts)
+
+
+def _inputs(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x, r = torch.randn(n, H, generator=g), torch.randn(n, H, generator=g)
+    ppcompile.mark_token_dynamic(x, r)
+    return x, r
+
+
+def _check(c: Any, m: torch.nn.Module, x: torch.Tensor, r: torch.Tensor) -> None:
+    for got, want in zip(c(x, r), m(x, r)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _runtime() -> Any:
+    """The newest runtime of a symbolic stage graph (a 1-token call adds a static one)."""
+    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
+
+
+def _source() -> str:
+    return str(_runtime()._live_forward.source)
+
+
+def test_generated_forward_is_straight_line_and_matches_eager() -> None:
+    m = MixerStage(torch.ops.pptest_live.mixer, H)
+    c = _compile(m)
+    with torch.no_grad():
+        for i, n in enumerate([5, 16, 1, 17]):
+            _check(c, m, *_inputs(n, seed=i))
+    runtime = _runtime()
+    source = _source()
+    assert "for " not in source and "while " not in source
+    for step in runtime.program.steps:  # each segment called once, in program order
+        assert source.count(f"call_{step.index}(") == 1
+    calls = [source.index(f"call_{st.index}(") for st in runtime.program.steps]
+    assert calls == sorted(calls)
+    # Inductor segments run without Inductor's input asserts: the stage inputs and the break output
+    # that compiled segments read are checked instead, once each.
+    assert source.count("layouts.repair(") == 3
+
+
+def test_segments_keep_their_asserts_when_asked_and_then_nothing_is_checked_twice() -> None:
+    m = MixerStage(torch.ops.pptest_live.mixer, H)
+    c = _compile(m, inductor_config={"size_asserts": True})
+    with torch.no_grad():
+        _check(c, m, *_inputs(6))
+    assert "layouts" not in _source()
+    c = _compile(MixerStage(torch.ops.pptest_live.mixer, H), segment_compiler="eager")
+    with torch.no_grad():
+        c(*_inputs(6))
+    assert "layouts" not in _source()
+
+
+def test_a_break_output_in_another_layout_than_traced_is_copied_into_the_traced_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    m = MixerStage(torch.ops.pptest_live.column_major, H)
+    c = _compile(m)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ppcompile"):
+        for i, n in enumerate([5, 12, 7]):
+            x, r = _inputs(n, seed=i)
+            assert not column_major(x).is_contiguous()
+            _check(c, m, x, r)
+    warnings = [r.getMessage() for r in caplog.records if "traced layout" in r.getMessage()]
+    assert len(warnings) == 1 and "fake implementation" in warnings[0], warnings
+
+
+def test_a_break_output_of_another_shape_than_traced_raises_naming_the_segment() -> None:
+    m = MixerStage(torch.ops.pptest_live.one_row_short, H)
+    c = _compile(m)
+    with torch.no_grad(), pytest.raises(LayoutMismatchError, match=r"break segment submod_\d.*shape \[4, 16\]"
+                                        r".*shape \[5, 16\].*fake implementation") as info:
+        c(*_inputs(5))
+    assert any("raised in segment submod_" in note for note in getattr(info.value, "__notes__", []))
+
+
+def _no_guards(entries: list[Any]) -> list[bool]:
+    return [False] * len(entries)
+
+
+def test_without_guards_live_inputs_are_checked_before_compiled_segments_read_them() -> None:
+    m = MixerStage(torch.ops.pptest_live.mixer, H)
+    c = _compile(m, guard_filter_fn=_no_guards)
+    with torch.no_grad():
+        _check(c, m, *_inputs(6))
+        x, r = _inputs(6, seed=1)
+        x_columns = x.t().contiguous().t()  # same values, other strides: eager's answer
+        _check(c, m, x_columns, r)
+        with pytest.raises(InputMismatchError, match=r"input 'l_residual_' .*expected shape \[6, 8\], "
+                                                     r"got shape \[6, 1\].*guards"):
+            c(x, r[:, :1])
+        _check(c, m, *_inputs(9, seed=2))  # the next valid call is correct
+
+
+def test_inductor_segments_are_called_without_dynamos_disable_wrapper() -> None:
+    m = MixerStage(torch.ops.pptest_live.mixer, H)
+    c = _compile(m)
+    with torch.no_grad():
+        _check(c, m, *_inputs(6))
+    graph_steps = [st for st in _runtime().program.steps if st.segment.is_graph]
+    multi = [st for st in graph_steps if not st.single_output]
+    assert multi, "the stage has a graph segment with several outputs"
+    for st in multi:  # the runtime itself is called through Dynamo's disable wrapper
+        assert not getattr(st.call, "_torchdynamo_disable", False)
