@@ -10,8 +10,8 @@ tokens, so each op costs almost only its dispatch. Timed interleaved, medians of
 * ``compiled``: the ``pp_breakable`` module (Dynamo's guards and frame wrapper included);
 * ``runtime``: the ``StageRuntime`` called directly with the arguments Dynamo hands it;
 * the runtime once more with each part timed: segment bodies (a graph replay, or a break's eager
-  op), copy-in, live-size views (trim), outputs, and the rest (bucket choice, dispatch loop,
-  bookkeeping).
+  op), copy-in (live inputs and break outputs into static buffers), and the rest (input checks,
+  bucket choice, the generated per-call code: live-size views, outputs, bookkeeping).
 
 Host time only (until the call returns; a GPU is synchronised after, untimed). Python's garbage
 collector is off while timing (as in ``timeit``). Runtime overhead = instrumented call - segment
@@ -44,7 +44,7 @@ from bench.common import median, sync
 from bench.report import describe_machine, machine_info, markdown_table, save_json
 from ppcompile.backends.pp_breakable import stage_runtimes
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
-from ppcompile.runtime import stage_runtime as stage_runtime_module
+from ppcompile.runtime import static_buffers as static_buffers_module
 from ppcompile.runtime.stage_runtime import StageRuntime
 
 __all__ = ["TINY_DEEP", "markdown", "run_overhead"]
@@ -244,44 +244,46 @@ def _runtime_of_last_compile() -> StageRuntime:
 
 
 class _instrumented:
-    """Wraps the runtime's parts in ``watch`` (instance attributes and module functions), then undoes it."""
+    """Swaps timed versions of the runtime's parts in (executors' replays, break segments, copy-in) and
+    back out. The generated graph path binds its callables when generated, so the timed program gets
+    graph forwards of its own, generated once at the first entry and reused."""
 
     def __init__(self, runtime: StageRuntime, watch: Stopwatch) -> None:
         self.runtime = runtime
         self.watch = watch
-        self.saved_program = runtime.program
-        self.saved_globals: dict[str, Any] = {}
-
-    def __enter__(self) -> None:
-        self.saved_program = self.runtime.program
-        rt, w = self.runtime, self.watch
-        executors = [s.executor for s in getattr(rt, "_states", {}).values() if hasattr(s, "executor")]
-        if not executors or not all(hasattr(rt, a) for a in ("_outputs", "program")):
+        rt, w = runtime, watch
+        if not all(hasattr(rt, a) for a in ("_states", "_graph_forwards", "program")):
             raise RuntimeError(
                 "overhead: StageRuntime's internals changed (expected _states[...].executor, program, "
-                "_outputs); update bench/overhead.py's instrumentation to match"
+                "_graph_forwards); update bench/overhead.py's instrumentation to match"
             )
-        for executor in executors:
-            executor.replay = w.wrap("segment bodies", executor.replay)
-        steps = tuple(
-            st if st.segment.is_graph else dataclasses.replace(st, fn=w.wrap("segment bodies", st.fn))
+        self.saved_program = rt.program
+        self.timed_program = dataclasses.replace(rt.program, steps=tuple(
+            st if st.segment.is_graph else dataclasses.replace(
+                st, fn=w.wrap("segment bodies", st.fn),
+                call=None if st.call is None else w.wrap("segment bodies", st.call))
             for st in rt.program.steps
-        )
-        rt.program = dataclasses.replace(rt.program, steps=steps)
-        rt._outputs = w.wrap("outputs", rt._outputs)  # type: ignore[method-assign]
-        for name, category in (("copy_in", "copy-in"), ("narrow_to", "live views (trim)")):
-            if hasattr(stage_runtime_module, name):  # parts of "rest" otherwise
-                self.saved_globals[name] = getattr(stage_runtime_module, name)
-                setattr(stage_runtime_module, name, w.wrap(category, self.saved_globals[name]))
+        ))
+        self.saved_forwards: dict[Any, Any] = rt._graph_forwards
+        self.timed_forwards: dict[Any, Any] = {}
+        self.saved_copy_rows = static_buffers_module.copy_rows
+        self.timed_copy_rows = w.wrap("copy-in", static_buffers_module.copy_rows)
+
+    def __enter__(self) -> None:
+        rt, w = self.runtime, self.watch
+        for state in rt._states.values():
+            state.executor.replay = w.wrap("segment bodies", state.executor.replay)
+        rt.program = self.timed_program
+        rt._graph_forwards = self.timed_forwards
+        static_buffers_module.copy_rows = self.timed_copy_rows
 
     def __exit__(self, *exc: object) -> None:
         rt = self.runtime
         for state in rt._states.values():
             state.executor.__dict__.pop("replay", None)
         rt.program = self.saved_program
-        rt.__dict__.pop("_outputs", None)
-        for name, fn in self.saved_globals.items():
-            setattr(stage_runtime_module, name, fn)
+        rt._graph_forwards = self.saved_forwards
+        static_buffers_module.copy_rows = self.saved_copy_rows
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import sympy
@@ -38,11 +38,12 @@ from ppcompile.counters import counters
 from ppcompile.passes.context import PassContext
 from ppcompile.records import InputKind
 from ppcompile.runtime.buckets import BucketPlan
+from ppcompile.runtime.codegen import GraphForward, make_graph_forward, make_live_forward
 from ppcompile.runtime.executors import GraphExecutor, make_executor
-from ppcompile.runtime.live_code import checked_values, make_live_forward
+from ppcompile.runtime.layout_checks import checked_values
 from ppcompile.runtime.program import Program, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
-from ppcompile.runtime.static_buffers import allocate, copy_in, narrow_to
+from ppcompile.runtime.static_buffers import allocate, narrow_to
 from ppcompile.runtime.validation import aliased_slots, check_inputs, input_specs, storages_of
 
 __all__ = ["ConcurrentCallError", "StageRuntime"]
@@ -110,11 +111,12 @@ class StageRuntime:
         self._token_input = ctx.token_input
         self._states: dict[tuple[Any, ...], _InstanceState] = {}
         # Inductor segments compiled without input asserts: what they read at the live size that
-        # neither Dynamo's guards nor another compiled segment vouches for is checked (live_code.py).
+        # neither Dynamo's guards nor another compiled segment vouches for is checked (layout_checks.py).
         tensor_inputs = [i for i, k in enumerate(ctx.input_kinds) if k is InputKind.TENSOR]
         checked = (checked_values(program, tensor_inputs)
                    if segments_skip_size_asserts(config) and not ctx.is_static else [])
         self._live_forward = make_live_forward(program, name, checked)
+        self._graph_forwards: dict[tuple[bool, bool], GraphForward] = {}  # by (binds inputs, pass args)
         self._owned_slots = frozenset(s for st in program.steps if st.segment.is_graph for s in st.live_views)
         self._warned: set[str] = set()
         # Reliability (docs/reliability.md): input checks, aliased inputs, debug stale-output tracking.
@@ -244,7 +246,7 @@ class StageRuntime:
                 state.tracker.end_call()
 
     def run_eager(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Every segment on live tensors: no static buffers, no graphs (``live_code.py``)."""
+        """Every segment on live tensors: no static buffers, no graphs (``codegen.py``)."""
         counters.eager_runs += 1
         env = self._env(args, self.num_tokens(args)) if self.token_symbol is not None else self._env(args, 0)
         return self._live_forward(args, env)
@@ -265,47 +267,20 @@ class StageRuntime:
         static = state.tables[b]
         if not executor.binds_inputs:
             static = list(static)
-        token_dims = program.token_dims
-        live: list[Any] = list(args) + [None] * (program.num_slots - len(args))
         # A bound graph reads what it captured: its arguments matter only to the debug address check.
-        resolve_graph_args = not executor.binds_inputs or self.config.debug
-        step = None
-        try:
-            for slot, buf in state.input_buffers.items():
-                copy_in(buf, args[slot], token_dims.get(slot, ()), env_n, env_b)
-            for step in program.steps:
-                if step.segment.is_graph:
-                    sargs = (
-                        [static[r.slot] if r.size is None else r.size(env_b) for r in step.args]
-                        if resolve_graph_args else ()
-                    )
-                    outs: Sequence[Any] = executor.replay((step.index, b), sargs)
-                    if not executor.binds_inputs:
-                        for i, s in step.writes:
-                            static[s] = outs[i]
-                    for s in step.live_views:
-                        live[s] = narrow_to(static[s], token_dims.get(s, ()), env_n)
-                    for s in step.live_values:
-                        live[s] = static[s]
-                else:
-                    slots = step.arg_slots
-                    outs = step.fn(*([live[s] for s in slots] if slots is not None else
-                                     [live[r.slot] if r.size is None else r.size(env_n) for r in step.args]))
-                    for i, s in step.writes:
-                        live[s] = outs[i]
-                    for s in step.bridges:
-                        copy_in(state.bridge_buffers[s], live[s], token_dims.get(s, ()), env_n, env_b)
-        except BaseException as e:
-            where = f"segment {step.segment.name}" if step is not None else "the input copy-in"
-            _add_note(e, f"pp_breakable: raised in {where} of {self.name} ({n} tokens, bucket {b}); the "
-                      "stage stays usable: the next call rewrites every static buffer it reads")
-            raise
+        pass_args = not executor.binds_inputs or self.config.debug
+        forward = self._graph_forwards.get((executor.binds_inputs, pass_args))
+        if forward is None:
+            forward = make_graph_forward(program, self.name, executor.binds_inputs, pass_args)
+            self._graph_forwards[(executor.binds_inputs, pass_args)] = forward
+        outputs = forward(args, static, env_n, env_b, executor.replay, n, b, state.input_buffers,
+                          state.bridge_buffers)
         counters.replays += 1
         counters.replays_by_bucket[b] += 1
         if not self._own_outputs:
-            return self._outputs(live, env_n, owned=False)
+            return outputs
         copied: list[int] = []
-        outputs = self._outputs(live, env_n, owned=True, static=state.storages, copied=copied)
+        outputs = self._owned(outputs, state.storages, copied)
         if self._track_outputs and copied:
             if state.tracker is None:
                 state.tracker = OutputTracker(self.name)
@@ -324,32 +299,18 @@ class StageRuntime:
             copied[s] = args[s].clone()
         return tuple(copied)
 
-    def _outputs(
-        self,
-        live: list[Any],
-        env: dict[sympy.Symbol, int],
-        owned: bool,
-        static: frozenset[int] = frozenset(),
-        copied: list[int] | None = None,
-    ) -> tuple[Any, ...]:
-        """The stage's outputs. ``owned``: copies of those in static memory (graph outputs, and anything
-        whose storage is in ``static``, like a break op's view of one); their indices go to ``copied``."""
-        out = []
-        for r in self.program.outputs:
-            if not isinstance(r, Ref):
-                out.append(r)
-            elif r.size is not None:
-                out.append(r.size(env))
-            else:
-                value = live[r.slot]
-                if owned and isinstance(value, torch.Tensor) and (
-                    r.slot in self._owned_slots or value.untyped_storage().data_ptr() in static
-                ):
-                    value = value.clone()
-                    if copied is not None:
-                        copied.append(len(out))
-                out.append(value)
-        return tuple(out)
+    def _owned(self, outputs: tuple[Any, ...], static: frozenset[int], copied: list[int]) -> tuple[Any, ...]:
+        """``outputs`` with copies of those in static memory (graph outputs, and anything whose storage is
+        in ``static``, like a break op's view of one); their indices go to ``copied``."""
+        owned = list(outputs)
+        for i, r in enumerate(self.program.outputs):
+            value = owned[i]
+            if isinstance(r, Ref) and r.size is None and isinstance(value, torch.Tensor) and (
+                r.slot in self._owned_slots or value.untyped_storage().data_ptr() in static
+            ):
+                owned[i] = value.clone()
+                copied.append(i)
+        return tuple(owned)
 
     # ----------------------------------------------------------------------------------- capture
     def _state_key(self, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -10,7 +10,7 @@ import torch
 from ppcompile.records import StaticBuffer
 from ppcompile.symbolic import SizeFn
 
-__all__ = ["allocate", "copy_in", "narrow_to"]
+__all__ = ["allocate", "copy_in", "copy_rows", "narrow_to"]
 
 TokenDims = tuple[tuple[int, SizeFn], ...]
 Env = Mapping[sympy.Symbol, int]
@@ -37,6 +37,13 @@ def narrow_to(t: torch.Tensor, dims: TokenDims, env: Env) -> torch.Tensor:
     return t
 
 
+def copy_rows(buf: torch.Tensor, src: torch.Tensor, dim: int, n: int, b: int) -> None:
+    """Copies ``src`` into the first ``n`` entries of ``buf`` along ``dim``; zeroes entries ``n:b``."""
+    buf.narrow(dim, 0, n).copy_(src)
+    if b > n:
+        buf.narrow(dim, n, b - n).zero_()
+
+
 def copy_in(buf: torch.Tensor, src: torch.Tensor, dims: TokenDims, env_live: Env, env_bucket: Env) -> None:
     """Copies live ``src`` into ``buf``'s first rows and zeroes the padding rows up to the bucket."""
     if not dims:
@@ -44,10 +51,7 @@ def copy_in(buf: torch.Tensor, src: torch.Tensor, dims: TokenDims, env_live: Env
         return
     if len(dims) == 1:
         (d, size), = dims
-        n, b = size(env_live), size(env_bucket)
-        buf.narrow(d, 0, n).copy_(src)
-        if b > n:
-            buf.narrow(d, n, b - n).zero_()
+        copy_rows(buf, src, d, size(env_live), size(env_bucket))
         return
     narrow_to(buf, dims, env_bucket).zero_()
     narrow_to(buf, dims, env_live).copy_(src)

@@ -12,7 +12,7 @@ import torch
 from debug_helpers import compile_stage, read_report
 
 import ppcompile
-from ppcompile.runtime import executors, stage_runtime
+from ppcompile.runtime import executors, static_buffers
 from ppcompile.runtime.executors import ReplayAddressError
 
 COUNTS = (10, 16, 5)  # a bucket + padding, a bucket exactly, the smallest bucket + padding
@@ -56,14 +56,14 @@ def test_a_graph_bug_shows_with_graphs_only(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_a_buffer_bug_shows_in_both_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy-in that drops the last live row: wrong with graphs and without."""
-    real = stage_runtime.copy_in
+    real = static_buffers.copy_rows
 
-    def lossy_copy_in(buf: torch.Tensor, src: torch.Tensor, *args: Any) -> None:
+    def lossy_copy_rows(buf: torch.Tensor, src: torch.Tensor, *args: Any) -> None:
         real(buf, src, *args)
         if src.dim() and src.shape[0] > 1:
             buf[src.shape[0] - 1].zero_()
 
-    monkeypatch.setattr(stage_runtime, "copy_in", lossy_copy_in)
+    monkeypatch.setattr(static_buffers, "copy_rows", lossy_copy_rows)
     assert _verdicts("eager") == [False, False, False]
     assert _verdicts("emulate") == [False, False, False]
 

@@ -20,7 +20,7 @@ from torch import nn
 import ppcompile
 from ppcompile import counters
 from ppcompile.models import REFERENCE_CONFIGS, make_forward_context, set_forward_context
-from ppcompile.runtime import stage_runtime
+from ppcompile.runtime.codegen import make_graph_forward
 from ppcompile.runtime.executors import EagerExecutor, EmulatedGraphExecutor, ReplayAddressError
 from ppcompile.runtime.stage_runtime import StageRuntime
 
@@ -478,7 +478,10 @@ def test_emulator_catches_a_missing_copy_in(monkeypatch: pytest.MonkeyPatch) -> 
     m = Stage()
     c = _compile(m)
     _check(c, m, 5)  # with copy-in: correct
-    monkeypatch.setattr(stage_runtime, "copy_in", lambda *args, **kwargs: None)
+    rt = _runtime()
+    no_copy_in = dataclasses.replace(rt.program, input_buffers={})  # the generated path without copy-in
+    monkeypatch.setattr(rt, "_graph_forwards", {k: make_graph_forward(no_copy_in, rt.name, *k)
+                                                for k in rt._graph_forwards})
     x, r = _inputs(6, seed=7)
     got, _ = c(x, r)
     want, _ = m(x, r)

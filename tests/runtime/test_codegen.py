@@ -1,4 +1,4 @@
-"""The generated live forward (``runtime/live_code.py``) and the layout checks it makes for Inductor
+"""The generated live forward (``runtime/codegen.py``) and the layout checks it makes for Inductor
 segments compiled without Inductor's input asserts."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from mixer_stage import MixerStage, mix_rows, register_mixer
 
 import ppcompile
-from ppcompile.runtime.live_code import LayoutMismatchError
+from ppcompile.runtime.codegen import graph_forward_source
+from ppcompile.runtime.layout_checks import LayoutMismatchError
 from ppcompile.runtime.validation import InputMismatchError
 
 H = 8
@@ -152,3 +153,29 @@ def test_inductor_segments_are_called_without_dynamos_disable_wrapper() -> None:
     assert multi, "the stage has a graph segment with several outputs"
     for st in multi:  # the runtime itself is called through Dynamo's disable wrapper
         assert not getattr(st.call, "_torchdynamo_disable", False)
+
+
+@pytest.mark.parametrize("binds_inputs, pass_args", [(True, False), (True, True), (False, True)])
+def test_graph_path_source_replays_each_graph_segment_once_in_order(
+    binds_inputs: bool, pass_args: bool
+) -> None:
+    m = MixerStage(torch.ops.pptest_live.mixer, H)
+    c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
+    with torch.no_grad():
+        for i, n in enumerate([5, 8, 9, 17]):  # a bucket, exactly a bucket, bucket + 1, above the cap
+            _check(c, m, *_inputs(n, seed=i))
+    program = _runtime().program
+    source, _ = graph_forward_source(program, binds_inputs, pass_args)
+    assert "for " not in source and "while " not in source
+    order = []
+    for st in program.steps:
+        head = f"replay(({st.index}, b), (" if st.segment.is_graph else f"call_{st.index}("
+        assert source.count(head) == 1, (head, source)
+        order.append(source.index(head))
+    assert order == sorted(order)
+    graph_steps = [st for st in program.steps if st.segment.is_graph]
+    # A bound graph reads what it captured: it is handed nothing unless the debug check wants it.
+    assert (source.count(", b), ())") == len(graph_steps)) == (not pass_args)
+    # Outputs of non-binding replays land in the call's table; bound ones stay where they were captured.
+    assert ("] = o[" in source) == (not binds_inputs)
+    assert source.count("copy_rows(inputs[") == len(program.input_buffers)

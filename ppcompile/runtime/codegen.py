@@ -1,0 +1,299 @@
+"""The per-call paths of a stage as straight-line Python, generated once per stage.
+
+A ``StageRuntime`` call walks the program's steps: on the *live path* (``graph_mode="none"``, above the
+capture cap, autograd on, a stage that cannot be graphed) every segment runs at the live size; on the
+*graph path* graph segments replay their bucket's graph between copy-ins, live-size views and eager
+breaks. Walking the steps in a loop costs 2-5 us per step (argument lists, slot tables, output
+unpacking, size evaluation); this module generates, once per stage, functions that make the same
+calls with locals, the way FX's own codegen does (:func:`make_live_forward`,
+:func:`make_graph_forward`). Each distinct size expression is evaluated once per call, not per use.
+
+Program (three steps, a size argument ``s0``; inputs 0 and 1 are live tensors, 2 a weight)::
+
+    step 0  graph  submod_0(slot 0, slot 1, size s0)  -> slots 3, 4
+    step 1  break  submod_1(slot 3)                    -> slot 5
+    step 2  graph  submod_2(slot 5, slot 4, slot 2)    -> slot 6
+    outputs: slot 6, size s0
+
+Generated, for Inductor segments (the tensors they read that no guard or compiled segment vouches for
+are checked against their traced layout ``L[k]``; see :class:`LiveLayouts`)::
+
+    def live_forward(args, env):
+        v0, v1, v2 = args
+        z0 = size_0(env)
+        L = layouts(env)
+        step = -1
+        try:
+            if (v0.shape, v0.stride()) != L[0]:
+                v0 = layouts.repair(0, v0, L[0])
+            if (v1.shape, v1.stride()) != L[1]:
+                v1 = layouts.repair(1, v1, L[1])
+            step = 0
+            v3, v4 = call_0(v0, v1, z0)
+            step = 1
+            v5 = call_1(v3)
+            if (v5.shape, v5.stride()) != L[2]:
+                v5 = layouts.repair(2, v5, L[2])
+            step = 2
+            v6 = call_2(v5, v4, v2)
+        except BaseException as e:
+            raised(e, step)
+            raise
+        return (v6, z0)
+
+``raised`` adds a note naming the segment to the exception in flight (its type is unchanged).
+The function holds the program's callables, never the runtime (no reference cycle).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import sympy
+
+from ppcompile.runtime import static_buffers
+from ppcompile.runtime.layout_checks import CheckedValue, LiveLayouts
+from ppcompile.runtime.program import Program, Ref
+from ppcompile.symbolic import SizeFn
+
+__all__ = ["GraphForward", "LiveForward", "graph_forward_source", "live_forward_source", "make_graph_forward",
+           "make_live_forward"]
+
+LiveForward = Callable[[Sequence[Any], Mapping[sympy.Symbol, int]], tuple[Any, ...]]
+
+
+def live_forward_source(
+    program: Program, layouts: LiveLayouts | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The generated source of ``program``'s live forward and the globals it reads; with ``layouts``,
+    the values it lists are checked (``L``: their expected layouts for this call)."""
+    names: dict[str, Any] = {}
+    sizes: dict[sympy.Expr, str] = {}  # size expression -> local holding its value
+    checks: dict[int, int] = {}  # slot -> index in layouts.checked
+    if layouts is not None:
+        checks = {c.slot: k for k, c in enumerate(layouts.checked)}
+        names["layouts"] = layouts
+
+    def check(slot: int, indent: str) -> list[str]:
+        k = checks.get(slot)
+        if k is None:
+            return []
+        return [f"{indent}if (v{slot}.shape, v{slot}.stride()) != L[{k}]:",
+                f"{indent}    v{slot} = layouts.repair({k}, v{slot}, L[{k}])"]
+
+    def size_local(r: Ref) -> str:
+        assert r.size is not None
+        local = sizes.get(r.size.expr)
+        if local is None:
+            local = sizes[r.size.expr] = f"z{len(sizes)}"
+            names[f"size_{local[1:]}"] = r.size
+        return local
+
+    def arg(r: Ref) -> str:
+        return size_local(r) if r.size is not None else f"v{r.slot}"
+
+    body: list[str] = []
+    for step in program.steps:
+        call = f"call_{step.index}"
+        single = step.single_output and step.call is not None
+        names[call] = step.call if single else step.fn
+        args = ", ".join(arg(r) for r in step.args)
+        body.append(f"step = {step.index}")
+        if single:
+            target = f"v{step.out_slots[0]}" if step.writes else "_"
+            body.append(f"{target} = {call}({args})")
+        elif step.writes:  # unpacked by position: the callable returns exactly one value per output
+            targets = ", ".join(f"v{s}" if s >= 0 else "_" for s in step.out_slots)
+            body.append(f"{targets}{',' if len(step.out_slots) == 1 else ''} = {call}({args})")
+        else:
+            body.append(f"{call}({args})")
+        for _, s in step.writes:
+            body += check(s, "")
+    outputs = []
+    for i, r in enumerate(program.outputs):
+        if isinstance(r, Ref):
+            outputs.append(arg(r))
+        else:
+            names[f"const_{i}"] = r
+            outputs.append(f"const_{i}")
+    inputs = "".join(f"v{i}, " for i in range(program.num_inputs))
+    lines = ["def live_forward(args, env):"]
+    if program.num_inputs:
+        lines.append(f"    {inputs.rstrip(', ')}{',' if program.num_inputs == 1 else ''} = args")
+    lines += [f"    {local} = size_{local[1:]}(env)" for local in sizes.values()]
+    if checks:
+        lines.append("    L = layouts(env)")
+    lines += ["    step = -1", "    try:"]
+    for slot in range(program.num_inputs):
+        lines += check(slot, "        ")
+    lines += [f"        {line}" for line in body]
+    lines += ["    except BaseException as e:", "        raised(e, step)", "        raise",
+              f"    return ({', '.join(outputs)}{',' if len(outputs) == 1 else ''})"]
+    return "\n".join(lines) + "\n", names
+
+
+def _annotate(stage: str, segments: Sequence[str], e: BaseException, step: int) -> None:
+    """Adds a note naming the failed segment to the exception in flight (its type is unchanged)."""
+    where = f"segment {segments[step]}" if step >= 0 else "setup"
+    add_note = getattr(e, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(f"pp_breakable: raised in {where} of {stage}, run eagerly")
+
+
+def make_live_forward(
+    program: Program, stage: str = "stage", checked: Sequence[CheckedValue] = ()
+) -> LiveForward:
+    """Compiles ``program``'s live forward. ``checked``: values to check before graph segments read
+    them (:class:`LiveLayouts`, for segments compiled without Inductor's input asserts). A failure gets
+    a note naming the segment ("setup" before the first)."""
+    layouts = LiveLayouts(stage, checked) if checked else None
+    source, names = live_forward_source(program, layouts)
+    segments = tuple(st.segment.name for st in program.steps)
+    scope: dict[str, Any] = {**names, "raised": functools.partial(_annotate, stage, segments)}
+    exec(compile(source, f"<ppcompile live_forward {stage}>", "exec"), scope)
+    fn: LiveForward = scope["live_forward"]
+    fn.source = source  # type: ignore[attr-defined]
+    return fn
+
+
+# ----------------------------------------------------------------------------------- graph path
+GraphForward = Callable[..., tuple[Any, ...]]
+
+
+class _Sizes:
+    """Locals holding the value of each distinct size expression for one env (``env_n`` or ``env_b``)."""
+
+    def __init__(self, prefix: str, env: str, names: dict[str, Any]) -> None:
+        self.prefix, self.env, self.names = prefix, env, names
+        self.locals: dict[sympy.Expr, str] = {}
+
+    def __call__(self, size: SizeFn) -> str:
+        local = self.locals.get(size.expr)
+        if local is None:
+            local = self.locals[size.expr] = f"{self.prefix}{len(self.locals)}"
+            self.names[f"size_{local}"] = size
+        return local
+
+    def prologue(self) -> list[str]:
+        return [f"    {local} = size_{local}({self.env})" for local in self.locals.values()]
+
+
+def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool) -> tuple[str, dict[str, Any]]:
+    """The generated source of ``program``'s graph path for one bucket and the globals it reads.
+
+    ``binds_inputs``: the executor's replays read what they captured (a CUDA graph), so their outputs
+    stay in ``static``; else each replay returns its outputs, written into ``static`` (a per-call copy of
+    the bucket's table). ``pass_args``: hand each replay its arguments (a non-binding executor, or the
+    debug address check). Same steps as ``StageRuntime``'s loop: copy the live inputs into their static
+    buffers (zeroing the padding rows), replay graph segments, narrow what breaks and callers read to the
+    live size, run breaks on live tensors and copy what graphs read into static bridges.
+    """
+    # Looked up now, not at import: a test or benchmark may have swapped them (a lossy copy, a timer).
+    names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, "copy_in": static_buffers.copy_in,
+                             "copy_rows": static_buffers.copy_rows}
+    live, bucket = _Sizes("n", "env_n", names), _Sizes("b", "env_b", names)
+    body: list[str] = []
+
+    def dims_of(slot: int) -> tuple[tuple[int, SizeFn], ...]:
+        return program.token_dims.get(slot, ())
+
+    def fill(buf: str, src: str, slot: int) -> None:
+        """``buf``'s first rows from ``src``; its padding rows up to the bucket zeroed (``copy_in``)."""
+        dims = dims_of(slot)
+        if not dims:
+            body.append(f"{buf}.copy_({src})")
+        elif len(dims) == 1:
+            (d, size), = dims
+            n, b = live(size), bucket(size)
+            body.append(f"copy_rows({buf}, {src}, {d}, {n}, {b})")
+        else:
+            names[f"dims_{slot}"] = dims
+            body.append(f"copy_in({buf}, {src}, dims_{slot}, env_n, env_b)")
+
+    def view(slot: int) -> None:
+        """``v<slot>``: the static value narrowed to the live size along its token dims."""
+        dims = dims_of(slot)
+        if not dims:
+            body.append(f"v{slot} = static[{slot}]")
+        elif len(dims) == 1:
+            (d, size), = dims
+            n = live(size)
+            body.extend([f"t = static[{slot}]",
+                         f"v{slot} = t if t.shape[{d}] == {n} else t.narrow({d}, 0, {n})"])
+        else:
+            names[f"dims_{slot}"] = dims
+            body.append(f"v{slot} = narrow_to(static[{slot}], dims_{slot}, env_n)")
+
+    for slot in program.input_buffers:
+        fill(f"inputs[{slot}]", f"v{slot}", slot)
+    for step in program.steps:
+        body.append(f"step = {step.index}")
+        if step.segment.is_graph:
+            args = ""
+            if pass_args:
+                args = ", ".join(bucket(r.size) if r.size is not None else f"static[{r.slot}]"
+                                 for r in step.args)
+                args += "," if len(step.args) == 1 else ""
+            if binds_inputs:
+                body.append(f"replay(({step.index}, b), ({args}))")
+            else:
+                body.append(f"o = replay(({step.index}, b), ({args}))")
+                body += [f"static[{s}] = o[{i}]" for i, s in step.writes]
+            for s in step.live_views:
+                view(s)
+            body += [f"v{s} = static[{s}]" for s in step.live_values]
+        else:
+            call = f"call_{step.index}"
+            single = step.single_output and step.call is not None
+            names[call] = step.call if single else step.fn
+            args = ", ".join(live(r.size) if r.size is not None else f"v{r.slot}" for r in step.args)
+            if single and step.writes:
+                body.append(f"v{step.out_slots[0]} = {call}({args})")
+            elif step.writes:
+                targets = ", ".join(f"v{s}" if s >= 0 else "_" for s in step.out_slots)
+                body.append(f"{targets}{',' if len(step.out_slots) == 1 else ''} = {call}({args})")
+            else:
+                body.append(f"{call}({args})")
+            for s in step.bridges:
+                fill(f"bridges[{s}]", f"v{s}", s)
+    outputs = []
+    for i, r in enumerate(program.outputs):
+        if isinstance(r, Ref):
+            outputs.append(live(r.size) if r.size is not None else f"v{r.slot}")
+        else:
+            names[f"const_{i}"] = r
+            outputs.append(f"const_{i}")
+    lines = ["def graph_forward(args, static, env_n, env_b, replay, n, b, inputs, bridges):"]
+    if program.num_inputs:
+        unpack = ", ".join(f"v{i}" for i in range(program.num_inputs))
+        lines.append(f"    {unpack}{',' if program.num_inputs == 1 else ''} = args")
+    lines += live.prologue() + bucket.prologue()
+    lines += ["    step = -1", "    try:"]
+    lines += [f"        {line}" for line in body]
+    lines += ["    except BaseException as e:", "        raised(e, step, n, b)", "        raise",
+              f"    return ({', '.join(outputs)}{',' if len(outputs) == 1 else ''})"]
+    return "\n".join(lines) + "\n", names
+
+
+def _annotate_graph_path(stage: str, segments: Sequence[str], e: BaseException, step: int, n: int,
+                         b: int) -> None:
+    where = f"segment {segments[step]}" if step >= 0 else "the input copy-in"
+    add_note = getattr(e, "add_note", None)
+    if add_note is not None:
+        add_note(f"pp_breakable: raised in {where} of {stage} ({n} tokens, bucket {b}); the stage stays "
+                 "usable: the next call rewrites every static buffer it reads")
+
+
+def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_args: bool) -> GraphForward:
+    """Compiles ``program``'s graph path (:func:`graph_forward_source`): called as
+    ``fn(args, static, env_n, env_b, executor.replay, n, b, input_buffers, bridge_buffers)``, it
+    returns the stage's outputs at the live size (views into static memory)."""
+    source, names = graph_forward_source(program, binds_inputs, pass_args)
+    segments = tuple(st.segment.name for st in program.steps)
+    scope: dict[str, Any] = {**names, "raised": functools.partial(_annotate_graph_path, stage, segments)}
+    exec(compile(source, f"<ppcompile graph_forward {stage}>", "exec"), scope)
+    fn: GraphForward = scope["graph_forward"]
+    fn.source = source  # type: ignore[attr-defined]
+    return fn

@@ -1,0 +1,128 @@
+"""Layout checks for Inductor segments compiled without Inductor's per-input size asserts.
+
+Inductor checks the size and stride of every input of a compiled graph on every call (``size_asserts``,
+about 0.5 us per input, ~10 per decoder segment, mostly weights). Segments are compiled without them
+(``backends/segment_compilers.SEGMENT_INDUCTOR_DEFAULTS``) because almost everything they read is
+vouched for already: parameters by Dynamo's guards, intermediates by the compiled segment that made
+them, static buffers by their allocation. What is left, the stage inputs and break outputs that
+segments read at the live size, is checked here, once per value per call, by the generated live
+forward (``codegen.py``)::
+
+    L = layouts(env)                        # expected (shape, stride) per checked value, memoised
+    ...
+    v22 = call_1(v18, z0, v19, v20)         # a break segment
+    if (v22.shape, v22.stride()) != L[3]:   # the fast path: one tuple comparison
+        v22 = layouts.repair(3, v22, L[3])  # copy into the traced strides, or raise for a wrong shape
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from ppcompile.runtime.program import Program
+from ppcompile.runtime.validation import GUARD_HINT, InputMismatchError
+from ppcompile.symbolic import SizeFn
+
+__all__ = ["CheckedValue", "LayoutMismatchError", "LiveLayouts", "checked_values"]
+
+log = logging.getLogger(__name__)
+
+Layout = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class LayoutMismatchError(RuntimeError):
+    """A break segment returned a tensor whose shape differs from the one traced for it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedValue:
+    """A tensor that graph segments read at the live size: a stage input or a break output."""
+
+    slot: int
+    what: str  # for messages: "input 'x'" or "break segment submod_1 (output 0)"
+    is_input: bool
+    sizes: tuple[SizeFn, ...]
+    strides: tuple[SizeFn, ...]
+
+
+class LiveLayouts:
+    """Checks the tensors that Inductor segments read on the live path against their traced layout.
+
+    Segments are compiled without Inductor's per-input size asserts (``segment_compilers``): their
+    parameters are guarded by Dynamo, their intermediates come from other compiled segments, and the
+    rest (stage inputs and break outputs) is checked here, once per value per call instead of once per
+    reading segment. A stride that differs is copied into the traced layout; a shape that differs raises
+    (``InputMismatchError`` for an input, which only happens when Dynamo's guards were dropped;
+    :class:`LayoutMismatchError` for a break op whose fake implementation promised another shape).
+    """
+
+    def __init__(self, stage: str, checked: Sequence[CheckedValue]) -> None:
+        self.stage = stage
+        self.checked = list(checked)
+        self._memo: dict[tuple[int, ...], tuple[Layout, ...]] = {}
+        self._warned: set[int] = set()
+
+    def __call__(self, env: Mapping[sympy.Symbol, int]) -> tuple[Layout, ...]:
+        """The expected layout of each checked value for ``env`` (memoised by the env's values)."""
+        key = tuple(env.values())
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = tuple((tuple(f(env) for f in c.sizes), tuple(f(env) for f in c.strides))
+                        for c in self.checked)
+            if len(self._memo) < 4096:
+                self._memo[key] = hit
+        return hit
+
+    def repair(self, i: int, value: Any, expected: Layout) -> torch.Tensor:
+        """``value`` in the expected layout, or a clear error when its shape is not the traced one."""
+        c = self.checked[i]
+        shape, stride = expected
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            if c.is_input:
+                raise InputMismatchError(
+                    f"pp_breakable: {c.what} of {self.stage}: expected shape {list(shape)}, got {got}. "
+                    f"{GUARD_HINT}")
+            raise LayoutMismatchError(
+                f"pp_breakable: {c.what} of {self.stage} returned {got}, but its trace (the op's fake "
+                f"implementation) has shape {list(shape)}, which the compiled segment after it reads. "
+                "Fix the op's fake implementation (torch.library.opcheck tests it)")
+        if all(s == e or n < 2 for s, e, n in zip(value.stride(), stride, shape)):
+            return value  # only strides of size-1 dims differ: they address no other element
+        if i not in self._warned:
+            self._warned.add(i)
+            log.log(logging.INFO if c.is_input else logging.WARNING,
+                    "%s: %s has strides %s where the trace has %s; it is copied into the traced layout "
+                    "before compiled segments read it%s", self.stage, c.what, value.stride(), stride,
+                    "" if c.is_input else " (fix the op's fake implementation to avoid the copy)")
+        fixed = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+        fixed.copy_(value)
+        return fixed
+
+
+def checked_values(program: Program, input_slots: Iterable[int]) -> list[CheckedValue]:
+    """The tensors a graph step reads at the live size that need a check: the given stage inputs and
+    every break output."""
+    graph_reads = {r.slot for st in program.steps if st.segment.is_graph for r in st.args if r.size is None}
+    checked: list[CheckedValue] = []
+    for slot in sorted(set(input_slots) & graph_reads):
+        layout = program.input_layouts.get(slot)
+        if layout is not None:
+            name, sizes, strides = layout
+            checked.append(CheckedValue(slot, f"input {name!r}", True, sizes, strides))
+    for st in program.steps:
+        if st.segment.is_graph:
+            continue
+        for i, slot in st.writes:
+            out_sizes = st.out_sizes[i] if i < len(st.out_sizes) else None
+            out_strides = st.out_strides[i] if i < len(st.out_strides) else None
+            if slot in graph_reads and isinstance(out_sizes, tuple) and out_strides is not None:
+                checked.append(CheckedValue(slot, f"break segment {st.segment.name} (output {i})", False,
+                                            out_sizes, out_strides))
+    return checked
