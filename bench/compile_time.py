@@ -15,7 +15,9 @@
    outputs, copies a GPU graph does not make), ``"eager"`` (the same static buffers, no emulation) and
    ``"none"`` (the compiled segments at the live size, no buffers; also with Inductor's
    ``cpp_wrapper``); whole-graph Inductor (``torch.compile(stage, backend="inductor")``, no breaks:
-   the bound breaks can approach; also with ``cpp_wrapper``). Compiled
+   the bound breaks can approach; also with ``cpp_wrapper``), the live-size and whole-graph paths
+   once more with Dynamo's guards on modules skipped (``guard_filter_fn=torch.compiler.
+   skip_guard_on_all_nn_modules_unsafe``: what every compiled path pays for its guards). Compiled
    paths get their symbolic token count from ``ppcompile.mark_token_dynamic``; two more rows compile
    with ``dynamic=True`` to show its per-call cost. Paths are timed interleaved, and the best of many
    rounds is reported: on a shared machine the least-disturbed round is the estimate other jobs
@@ -60,6 +62,9 @@ NO_DISK_CACHES = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_C
 
 
 WHOLE = "whole-graph inductor"
+# Dynamo's guards on every parameter and module attribute cost ~0.1-0.3 ms per forward of a 32-layer
+# stage, paid by every compiled path alike; rows with this filter show what is left without them.
+SKIP_MODULE_GUARDS = torch.compiler.skip_guard_on_all_nn_modules_unsafe
 # (name, backend, options, dynamic): compiled paths get their symbolic token count from marked token
 # dims (ppcompile.mark_token_dynamic) unless dynamic=True, whose rows show what that costs.
 STEADY_PATHS: tuple[tuple[str, str | None, dict[str, Any] | None, bool | None], ...] = (
@@ -76,6 +81,9 @@ STEADY_PATHS: tuple[tuple[str, str | None, dict[str, Any] | None, bool | None], 
     ("ppb inductor segs (live size, cpp_wrapper)", "pp_breakable",
      {"segment_compiler": "inductor", "graph_mode": "none", "inductor_config": {"cpp_wrapper": True}}, None),
     (f"{WHOLE}, cpp_wrapper", "inductor", {"cpp_wrapper": True}, None),
+    ("ppb inductor segs (live size), module guards skipped", "pp_breakable",
+     {"segment_compiler": "inductor", "graph_mode": "none", "guard_filter_fn": SKIP_MODULE_GUARDS}, None),
+    (f"{WHOLE}, module guards skipped", "inductor", {"guard_filter_fn": SKIP_MODULE_GUARDS}, None),
     ("ppb inductor segs (emulate), dynamic=True", "pp_breakable",
      {"segment_compiler": "inductor", "graph_mode": "emulate"}, True),
     (f"{WHOLE}, dynamic=True", "inductor", None, True),
