@@ -20,7 +20,7 @@ are checked against their traced layout ``L[k]``; see :class:`LiveLayouts`)::
 
     def live_forward(args, env):
         v0, v1, v2 = args
-        z0 = size_0(env)
+        z0 = size_z0(env)
         L = layouts(env)
         step = -1
         try:
@@ -55,113 +55,17 @@ import sympy
 
 from ppcompile.runtime import static_buffers
 from ppcompile.runtime.layout_checks import CheckedValue, LiveLayouts
-from ppcompile.runtime.program import Program, Ref
+from ppcompile.runtime.program import Program, Ref, Step
 from ppcompile.symbolic import SizeFn
 
 __all__ = ["GraphForward", "LiveForward", "graph_forward_source", "live_forward_source", "make_graph_forward",
            "make_live_forward"]
 
 LiveForward = Callable[[Sequence[Any], Mapping[sympy.Symbol, int]], tuple[Any, ...]]
-
-
-def live_forward_source(
-    program: Program, layouts: LiveLayouts | None = None
-) -> tuple[str, dict[str, Any]]:
-    """The generated source of ``program``'s live forward and the globals it reads; with ``layouts``,
-    the values it lists are checked (``L``: their expected layouts for this call)."""
-    names: dict[str, Any] = {}
-    sizes: dict[sympy.Expr, str] = {}  # size expression -> local holding its value
-    checks: dict[int, int] = {}  # slot -> index in layouts.checked
-    if layouts is not None:
-        checks = {c.slot: k for k, c in enumerate(layouts.checked)}
-        names["layouts"] = layouts
-
-    def check(slot: int, indent: str) -> list[str]:
-        k = checks.get(slot)
-        if k is None:
-            return []
-        return [f"{indent}if (v{slot}.shape, v{slot}.stride()) != L[{k}]:",
-                f"{indent}    v{slot} = layouts.repair({k}, v{slot}, L[{k}])"]
-
-    def size_local(r: Ref) -> str:
-        assert r.size is not None
-        local = sizes.get(r.size.expr)
-        if local is None:
-            local = sizes[r.size.expr] = f"z{len(sizes)}"
-            names[f"size_{local[1:]}"] = r.size
-        return local
-
-    def arg(r: Ref) -> str:
-        return size_local(r) if r.size is not None else f"v{r.slot}"
-
-    body: list[str] = []
-    for step in program.steps:
-        call = f"call_{step.index}"
-        single = step.single_output and step.call is not None
-        names[call] = step.call if single else step.fn
-        args = ", ".join(arg(r) for r in step.args)
-        body.append(f"step = {step.index}")
-        if single:
-            target = f"v{step.out_slots[0]}" if step.writes else "_"
-            body.append(f"{target} = {call}({args})")
-        elif step.writes:  # unpacked by position: the callable returns exactly one value per output
-            targets = ", ".join(f"v{s}" if s >= 0 else "_" for s in step.out_slots)
-            body.append(f"{targets}{',' if len(step.out_slots) == 1 else ''} = {call}({args})")
-        else:
-            body.append(f"{call}({args})")
-        for _, s in step.writes:
-            body += check(s, "")
-    outputs = []
-    for i, r in enumerate(program.outputs):
-        if isinstance(r, Ref):
-            outputs.append(arg(r))
-        else:
-            names[f"const_{i}"] = r
-            outputs.append(f"const_{i}")
-    inputs = "".join(f"v{i}, " for i in range(program.num_inputs))
-    lines = ["def live_forward(args, env):"]
-    if program.num_inputs:
-        lines.append(f"    {inputs.rstrip(', ')}{',' if program.num_inputs == 1 else ''} = args")
-    lines += [f"    {local} = size_{local[1:]}(env)" for local in sizes.values()]
-    if checks:
-        lines.append("    L = layouts(env)")
-    lines += ["    step = -1", "    try:"]
-    for slot in range(program.num_inputs):
-        lines += check(slot, "        ")
-    lines += [f"        {line}" for line in body]
-    lines += ["    except BaseException as e:", "        raised(e, step)", "        raise",
-              f"    return ({', '.join(outputs)}{',' if len(outputs) == 1 else ''})"]
-    return "\n".join(lines) + "\n", names
-
-
-def _annotate(stage: str, segments: Sequence[str], e: BaseException, step: int) -> None:
-    """Adds a note naming the failed segment to the exception in flight (its type is unchanged)."""
-    where = f"segment {segments[step]}" if step >= 0 else "setup"
-    add_note = getattr(e, "add_note", None)  # Python >= 3.11
-    if add_note is not None:
-        add_note(f"pp_breakable: raised in {where} of {stage}, run eagerly")
-
-
-def make_live_forward(
-    program: Program, stage: str = "stage", checked: Sequence[CheckedValue] = ()
-) -> LiveForward:
-    """Compiles ``program``'s live forward. ``checked``: values to check before graph segments read
-    them (:class:`LiveLayouts`, for segments compiled without Inductor's input asserts). A failure gets
-    a note naming the segment ("setup" before the first)."""
-    layouts = LiveLayouts(stage, checked) if checked else None
-    source, names = live_forward_source(program, layouts)
-    segments = tuple(st.segment.name for st in program.steps)
-    scope: dict[str, Any] = {**names, "raised": functools.partial(_annotate, stage, segments)}
-    exec(compile(source, f"<ppcompile live_forward {stage}>", "exec"), scope)
-    fn: LiveForward = scope["live_forward"]
-    fn.source = source  # type: ignore[attr-defined]
-    return fn
-
-
-# ----------------------------------------------------------------------------------- graph path
 GraphForward = Callable[..., tuple[Any, ...]]
 
 
+# ----------------------------------------------------------------------------------- shared pieces
 class _Sizes:
     """Locals holding the value of each distinct size expression for one env (``env_n`` or ``env_b``)."""
 
@@ -180,15 +84,120 @@ class _Sizes:
         return [f"    {local} = size_{local}({self.env})" for local in self.locals.values()]
 
 
+def _call_segment(step: Step, args: str, names: dict[str, Any]) -> str:
+    """The line calling ``step``'s segment and binding the outputs someone reads to ``v<slot>``."""
+    call = f"call_{step.index}"
+    single = step.single_output and step.call is not None
+    names[call] = step.call if single else step.fn
+    if single:
+        return f"{f'v{step.out_slots[0]}' if step.writes else '_'} = {call}({args})"
+    if not step.writes:
+        return f"{call}({args})"
+    # Unpacked by position: the callable returns exactly one value per output.
+    targets = ", ".join(f"v{s}" if s >= 0 else "_" for s in step.out_slots)
+    return f"{targets}{',' if len(step.out_slots) == 1 else ''} = {call}({args})"
+
+
+def _function(
+    header: str, num_inputs: int, prologue: list[str], body: list[str], raised: str, outputs: list[str]
+) -> str:
+    """A generated function: unpack the inputs, evaluate sizes, run ``body`` under a handler that
+    annotates the exception (``step``: the step that raised, -1 before the first), return ``outputs``."""
+    lines = [header]
+    if num_inputs:
+        unpack = ", ".join(f"v{i}" for i in range(num_inputs))
+        lines.append(f"    {unpack}{',' if num_inputs == 1 else ''} = args")
+    lines += prologue
+    lines += ["    step = -1", "    try:"]
+    lines += [f"        {line}" for line in body]
+    lines += ["    except BaseException as e:", f"        {raised}", "        raise",
+              f"    return ({', '.join(outputs)}{',' if len(outputs) == 1 else ''})"]
+    return "\n".join(lines) + "\n"
+
+
+def _outputs(program: Program, sizes: _Sizes, names: dict[str, Any]) -> list[str]:
+    outputs = []
+    for i, r in enumerate(program.outputs):
+        if isinstance(r, Ref):
+            outputs.append(sizes(r.size) if r.size is not None else f"v{r.slot}")
+        else:
+            names[f"const_{i}"] = r
+            outputs.append(f"const_{i}")
+    return outputs
+
+
+def _exec(name: str, stage: str, source: str, names: dict[str, Any], raised: Callable[..., None]) -> Any:
+    scope: dict[str, Any] = {**names, "raised": raised}
+    exec(compile(source, f"<ppcompile {name} {stage}>", "exec"), scope)
+    fn = scope[name]
+    fn.source = source
+    return fn
+
+
+# ----------------------------------------------------------------------------------- live path
+def live_forward_source(
+    program: Program, layouts: LiveLayouts | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The generated source of ``program``'s live forward and the globals it reads; with ``layouts``,
+    the values it lists are checked (``L``: their expected layouts for this call)."""
+    names: dict[str, Any] = {}
+    sizes = _Sizes("z", "env", names)
+    checks: dict[int, int] = {}  # slot -> index in layouts.checked
+    if layouts is not None:
+        checks = {c.slot: k for k, c in enumerate(layouts.checked)}
+        names["layouts"] = layouts
+
+    def check(slot: int) -> list[str]:
+        k = checks.get(slot)
+        if k is None:
+            return []
+        return [f"if (v{slot}.shape, v{slot}.stride()) != L[{k}]:",
+                f"    v{slot} = layouts.repair({k}, v{slot}, L[{k}])"]
+
+    body = [line for slot in range(program.num_inputs) for line in check(slot)]
+    for step in program.steps:
+        args = ", ".join(sizes(r.size) if r.size is not None else f"v{r.slot}" for r in step.args)
+        body += [f"step = {step.index}", _call_segment(step, args, names)]
+        for _, s in step.writes:
+            body += check(s)
+    outputs = _outputs(program, sizes, names)
+    prologue = sizes.prologue() + (["    L = layouts(env)"] if checks else [])
+    source = _function("def live_forward(args, env):", program.num_inputs, prologue, body,
+                       "raised(e, step)", outputs)
+    return source, names
+
+
+def _annotate(stage: str, segments: Sequence[str], e: BaseException, step: int) -> None:
+    """Adds a note naming the failed segment to the exception in flight (its type is unchanged)."""
+    where = f"segment {segments[step]}" if step >= 0 else "setup"
+    add_note = getattr(e, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(f"pp_breakable: raised in {where} of {stage}, run eagerly")
+
+
+def make_live_forward(
+    program: Program, stage: str = "stage", checked: Sequence[CheckedValue] = ()
+) -> LiveForward:
+    """Compiles ``program``'s live forward. ``checked``: values to check before graph segments read
+    them (:class:`LiveLayouts`, for segments compiled without Inductor's input asserts). A failure gets
+    a note naming the segment ("setup" before the first)."""
+    source, names = live_forward_source(program, LiveLayouts(stage, checked) if checked else None)
+    segments = tuple(st.segment.name for st in program.steps)
+    fn: LiveForward = _exec("live_forward", stage, source, names,
+                            functools.partial(_annotate, stage, segments))
+    return fn
+
+
+# ----------------------------------------------------------------------------------- graph path
 def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool) -> tuple[str, dict[str, Any]]:
     """The generated source of ``program``'s graph path for one bucket and the globals it reads.
 
     ``binds_inputs``: the executor's replays read what they captured (a CUDA graph), so their outputs
     stay in ``static``; else each replay returns its outputs, written into ``static`` (a per-call copy of
     the bucket's table). ``pass_args``: hand each replay its arguments (a non-binding executor, or the
-    debug address check). Same steps as ``StageRuntime``'s loop: copy the live inputs into their static
-    buffers (zeroing the padding rows), replay graph segments, narrow what breaks and callers read to the
-    live size, run breaks on live tensors and copy what graphs read into static bridges.
+    debug address check). The steps of a graph-path call: copy the live inputs into their static buffers
+    (zeroing the padding rows), replay graph segments, narrow what breaks and callers read to the live
+    size, run breaks on live tensors and copy what graphs read into static bridges.
     """
     # Looked up now, not at import: a test or benchmark may have swapped them (a lossy copy, a timer).
     names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, "copy_in": static_buffers.copy_in,
@@ -245,36 +254,15 @@ def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool) 
                 view(s)
             body += [f"v{s} = static[{s}]" for s in step.live_values]
         else:
-            call = f"call_{step.index}"
-            single = step.single_output and step.call is not None
-            names[call] = step.call if single else step.fn
             args = ", ".join(live(r.size) if r.size is not None else f"v{r.slot}" for r in step.args)
-            if single and step.writes:
-                body.append(f"v{step.out_slots[0]} = {call}({args})")
-            elif step.writes:
-                targets = ", ".join(f"v{s}" if s >= 0 else "_" for s in step.out_slots)
-                body.append(f"{targets}{',' if len(step.out_slots) == 1 else ''} = {call}({args})")
-            else:
-                body.append(f"{call}({args})")
+            body.append(_call_segment(step, args, names))
             for s in step.bridges:
                 fill(f"bridges[{s}]", f"v{s}", s)
-    outputs = []
-    for i, r in enumerate(program.outputs):
-        if isinstance(r, Ref):
-            outputs.append(live(r.size) if r.size is not None else f"v{r.slot}")
-        else:
-            names[f"const_{i}"] = r
-            outputs.append(f"const_{i}")
-    lines = ["def graph_forward(args, static, env_n, env_b, replay, n, b, inputs, bridges):"]
-    if program.num_inputs:
-        unpack = ", ".join(f"v{i}" for i in range(program.num_inputs))
-        lines.append(f"    {unpack}{',' if program.num_inputs == 1 else ''} = args")
-    lines += live.prologue() + bucket.prologue()
-    lines += ["    step = -1", "    try:"]
-    lines += [f"        {line}" for line in body]
-    lines += ["    except BaseException as e:", "        raised(e, step, n, b)", "        raise",
-              f"    return ({', '.join(outputs)}{',' if len(outputs) == 1 else ''})"]
-    return "\n".join(lines) + "\n", names
+    outputs = _outputs(program, live, names)
+    source = _function("def graph_forward(args, static, env_n, env_b, replay, n, b, inputs, bridges):",
+                       program.num_inputs, live.prologue() + bucket.prologue(), body, "raised(e, step, n, b)",
+                       outputs)
+    return source, names
 
 
 def _annotate_graph_path(stage: str, segments: Sequence[str], e: BaseException, step: int, n: int,
@@ -292,8 +280,6 @@ def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_ar
     returns the stage's outputs at the live size (views into static memory)."""
     source, names = graph_forward_source(program, binds_inputs, pass_args)
     segments = tuple(st.segment.name for st in program.steps)
-    scope: dict[str, Any] = {**names, "raised": functools.partial(_annotate_graph_path, stage, segments)}
-    exec(compile(source, f"<ppcompile graph_forward {stage}>", "exec"), scope)
-    fn: GraphForward = scope["graph_forward"]
-    fn.source = source  # type: ignore[attr-defined]
+    fn: GraphForward = _exec("graph_forward", stage, source, names,
+                             functools.partial(_annotate_graph_path, stage, segments))
     return fn
