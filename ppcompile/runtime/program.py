@@ -2,8 +2,9 @@
 
 Each value of the split graph (an input, a segment output) gets a slot. A step names the segment's
 callable, where each argument comes from (a slot, or a size expression), and which slots its outputs
-fill. The runtime walks the steps with two slot tables: *static* (bucket-sized tensors that graphs
-read and write) and *live* (tensors of the live token count that break segments and callers see).
+fill. The runtime's generated code (``codegen.py``) makes those calls with two kinds of values: *static*
+(bucket-sized tensors that graphs read and write, a table per bucket) and *live* (tensors of the live
+token count that break segments and callers see, locals).
 """
 
 from __future__ import annotations
@@ -43,9 +44,7 @@ class Step:
     live_views: tuple[int, ...] = ()  # graph tensor outputs that breaks or callers read at live size
     live_values: tuple[int, ...] = ()  # graph non-tensor outputs (numbers) that breaks or callers read
     bridges: tuple[int, ...] = ()  # break outputs that graphs read through a static bridge
-    # Precomputed for the per-call loops: every argument's slot when none is a size (else None), and
     # (output index, slot) for the outputs someone reads.
-    arg_slots: tuple[int, ...] | None = None
     writes: tuple[tuple[int, int], ...] = ()
     # Per output, from the traced values: a tensor's size per dim, a number's value, or None.
     out_sizes: tuple[tuple[SizeFn, ...] | SizeFn | None, ...] = ()
@@ -158,9 +157,8 @@ def build_program(
             index=len(steps),
             segment=segment,
             fn=fn if multi else _unwrap_single(fn),
-            args=(refs := tuple(ref(a) for a in node.args)),
+            args=tuple(ref(a) for a in node.args),
             out_slots=tuple(out_slots),
-            arg_slots=None if any(r.size is not None for r in refs) else tuple(r.slot for r in refs),
             writes=tuple((i, s) for i, s in enumerate(out_slots) if s >= 0),
             out_sizes=_output_sizes(out, multi),
             out_strides=_output_strides(out, multi),
