@@ -7,6 +7,7 @@ Layout, per process (``rank_<r>/`` only when ``torch.distributed`` is initialise
         NN.<pass name>.py           the graph after pass NN, only when that pass changed it
         split_module.py             the final split module (segments as nested classes)
         segments/NN.<name>.<kind>.py  each segment's code (kind: graph | break)
+        runtime_code.txt            the code the runtime generated for each call (runtime/codegen.py)
         report.json, report.html    the stage report (rewritten after capture)
 
 Every ``.py`` file is runnable (see :mod:`ppcompile.debug.runnable`). The same text is emitted through
@@ -48,8 +49,8 @@ def stage_dir(dump_dir: str, graph_name: str) -> str:
 
 def reset_stage_dir(folder: str) -> None:
     """Removes the dumps a previous compile of the same stage graph left (only files this module writes)."""
-    patterns = ("[0-9][0-9].*.py", "split_module.py", "segments/[0-9][0-9].*.py", "report.json",
-                "report.html")
+    patterns = ("[0-9][0-9].*.py", "split_module.py", "segments/[0-9][0-9].*.py", "runtime_code.txt",
+                "report.json", "report.html")
     for pattern in patterns:
         for path in glob.glob(os.path.join(glob.escape(folder), pattern)):
             os.remove(path)

@@ -153,10 +153,32 @@ def on_stage_compiled(runtime: StageRuntime, split: torch.fx.GraphModule, ctx: P
             what = "graph segment (replayed per bucket)" if seg.is_graph else f"break segment ({seg.reason})"
             write_graph(dump_dir, runtime.name, f"segments/{i:02d}.{seg.name}.{seg.kind}.py",
                         _submodule(split, seg.name), f"{what} {seg.name}")
+        text = runtime_code(runtime)
+        emit_artifact("runtime_code", lambda: text)
+        if dump_dir is not None:
+            write_text(stage_dir(dump_dir, runtime.name), "runtime_code.txt", text)
         publish_report(runtime)
     except Exception:  # debugging output is never worth failing a compile for
         log.warning("%s: could not write the dumps or the report (dump_dir=%r)", runtime.name, dump_dir,
                     exc_info=True)
+
+
+def runtime_code(runtime: StageRuntime) -> str:
+    """The per-call code the runtime generated for the stage (``runtime/codegen.py``): the live path
+    and, for a graph mode with graphs, the graph path its executor uses."""
+    from ppcompile.runtime.codegen import graph_forward_source
+
+    parts = [f"# ppcompile: code generated for each call of {runtime.name} (it calls the segments of "
+             "split_module.py; call_<i> is step i)", "",
+             "# live path: graph_mode='none', above the capture cap, autograd on, a stage never graphed",
+             str(getattr(runtime._live_forward, "source", "")).rstrip()]
+    executor = EXECUTORS.get(runtime.graph_mode)
+    if executor is not None:
+        pass_args = not executor.binds_inputs or runtime.config.debug
+        source, _ = graph_forward_source(runtime.program, executor.binds_inputs, pass_args)
+        parts += ["", f"# graph path ({runtime.graph_mode} executor; replay((i, b), ...) replays step i "
+                  "at bucket b)", source.rstrip()]
+    return "\n".join(parts) + "\n"
 
 
 # ------------------------------------------------------------------------------ the report

@@ -40,7 +40,11 @@ def test_stage_dump_layout(tmp_path: Path) -> None:
     assert f"{names.index('split_at_breaks') + 1:02d}.split_at_breaks.py" in passes
     segments = [f"segments/{i:02d}.{s.name}.{s.kind}.py" for i, s in enumerate(rt.segments)]
     assert [f for f in files if f.startswith("segments/")] == segments
-    assert {"split_module.py", "report.json", "report.html"} <= set(files)
+    assert {"split_module.py", "runtime_code.txt", "report.json", "report.html"} <= set(files)
+    code = (folder / "runtime_code.txt").read_text()
+    assert "def live_forward(args, env):" in code and "def graph_forward(" in code
+    for i, seg in enumerate(rt.segments):  # each segment called once per path: a replay or a call
+        assert code.count(f"replay(({i}, b)" if seg.is_graph else f"call_{i}(") == (1 if seg.is_graph else 2)
     assert len(rt.segments) == 3 and [s.kind for s in rt.segments] == ["graph", "break", "graph"]
     for f in files:
         if f.endswith(".py"):
