@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -106,14 +106,22 @@ class LiveLayouts:
         return fixed
 
 
-def checked_values(program: Program, input_slots: Iterable[int]) -> list[CheckedValue]:
+def checked_values(
+    program: Program, input_slots: Iterable[int], known: Collection[sympy.Symbol]
+) -> list[CheckedValue]:
     """The tensors a graph step reads at the live size that need a check: the given stage inputs and
-    every break output."""
+    every break output, each only if its sizes and strides are expressions of the ``known`` symbols (the
+    ones a call binds; Dynamo guards the rest)."""
+
+    def computable(fns: tuple[SizeFn, ...]) -> bool:
+        return all(f.expr.free_symbols <= known for f in fns)
+
+    known = frozenset(known)
     graph_reads = {r.slot for st in program.steps if st.segment.is_graph for r in st.args if r.size is None}
     checked: list[CheckedValue] = []
     for slot in sorted(set(input_slots) & graph_reads):
         layout = program.input_layouts.get(slot)
-        if layout is not None:
+        if layout is not None and computable(layout[1]) and computable(layout[2]):
             name, sizes, strides = layout
             checked.append(CheckedValue(slot, f"input {name!r}", True, sizes, strides))
     for st in program.steps:
@@ -122,7 +130,8 @@ def checked_values(program: Program, input_slots: Iterable[int]) -> list[Checked
         for i, slot in st.writes:
             out_sizes = st.out_sizes[i] if i < len(st.out_sizes) else None
             out_strides = st.out_strides[i] if i < len(st.out_strides) else None
-            if slot in graph_reads and isinstance(out_sizes, tuple) and out_strides is not None:
+            if (slot in graph_reads and isinstance(out_sizes, tuple) and out_strides is not None
+                    and computable(out_sizes) and computable(out_strides)):
                 checked.append(CheckedValue(slot, f"break segment {st.segment.name} (output {i})", False,
                                             out_sizes, out_strides))
     return checked

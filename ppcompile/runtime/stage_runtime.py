@@ -110,19 +110,18 @@ class StageRuntime:
         self._token_slot = next((i for i, e in self._symbol_slots if e == ctx.token_symbol), None)
         self._token_input = ctx.token_input
         self._states: dict[tuple[Any, ...], _InstanceState] = {}
+        self._tensor_slots = tuple(i for i, k in enumerate(ctx.input_kinds) if k is InputKind.TENSOR)
+        known = {e for _, e in self._symbol_slots} | ({ctx.token_symbol} if ctx.token_symbol else set())
         # Inductor segments compiled without input asserts: what they read at the live size that
         # neither Dynamo's guards nor another compiled segment vouches for is checked (layout_checks.py).
-        tensor_inputs = [i for i, k in enumerate(ctx.input_kinds) if k is InputKind.TENSOR]
-        checked = (checked_values(program, tensor_inputs)
+        checked = (checked_values(program, self._tensor_slots, known)
                    if segments_skip_size_asserts(config) and not ctx.is_static else [])
         self._live_forward = make_live_forward(program, name, checked)
         self._graph_forwards: dict[tuple[bool, bool], GraphForward] = {}  # by (binds inputs, pass args)
         self._owned_slots = frozenset(s for st in program.steps if st.segment.is_graph for s in st.live_views)
         self._warned: set[str] = set()
         # Reliability (docs/reliability.md): input checks, aliased inputs, debug stale-output tracking.
-        known = {e for _, e in self._symbol_slots} | ({ctx.token_symbol} if ctx.token_symbol else set())
         self._input_specs = input_specs(ctx.static_inputs, known)
-        self._tensor_slots = tuple(i for i, k in enumerate(ctx.input_kinds) if k is InputKind.TENSOR)
         self._token_source = self._describe_token_source()
         self._capture_lock = threading.RLock()
         self._debug = config.debug

@@ -7,13 +7,17 @@ import logging
 from typing import Any
 
 import pytest
+import sympy
 import torch
 from mixer_stage import MixerStage, mix_rows, register_mixer
 
 import ppcompile
+from ppcompile.records import Segment
 from ppcompile.runtime.codegen import graph_forward_source
-from ppcompile.runtime.layout_checks import LayoutMismatchError
+from ppcompile.runtime.layout_checks import LayoutMismatchError, checked_values
+from ppcompile.runtime.program import Program, Ref, Step
 from ppcompile.runtime.validation import InputMismatchError
+from ppcompile.symbolic import SizeFn
 
 H = 8
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
@@ -179,3 +183,30 @@ def test_graph_path_source_replays_each_graph_segment_once_in_order(
     # Outputs of non-binding replays land in the call's table; bound ones stay where they were captured.
     assert ("] = o[" in source) == (not binds_inputs)
     assert source.count("copy_rows(inputs[") == len(program.input_buffers)
+
+
+def _ident(*args: Any) -> Any:
+    return args[0]
+
+
+def test_only_layouts_of_symbols_a_call_binds_are_checked() -> None:
+    """A value whose size or stride names a symbol the call does not bind (Dynamo guards it) is not
+    checked: its expected layout could not be computed per call."""
+    n, h = sympy.Symbol("n", integer=True, positive=True), sympy.Symbol("h", integer=True, positive=True)
+    four, one = SizeFn(sympy.Integer(4)), SizeFn(sympy.Integer(1))
+    known_layout = ((SizeFn(n), four), (four, one))  # [n, 4], contiguous
+    guarded_layout = ((SizeFn(n), SizeFn(h)), (SizeFn(h), one))  # [n, h]: h is not bound per call
+    graph, brk = Segment("g", "graph", 1), Segment("b", "break", 1)
+    steps = (
+        Step(0, brk, _ident, (Ref(slot=0),), (2,), writes=((0, 2),),
+             out_sizes=(known_layout[0],), out_strides=(known_layout[1],)),
+        Step(1, brk, _ident, (Ref(slot=1),), (3,), writes=((0, 3),),
+             out_sizes=(guarded_layout[0],), out_strides=(guarded_layout[1],)),
+        Step(2, graph, _ident, (Ref(slot=0), Ref(slot=1), Ref(slot=2), Ref(slot=3)), (4,), writes=((0, 4),)),
+    )
+    layouts = {0: ("x", *known_layout), 1: ("y", *guarded_layout)}
+    program = Program(num_slots=5, num_inputs=2, steps=steps, outputs=(Ref(slot=4),), token_dims={},
+                      bridge_buffers={}, input_buffers={}, input_layouts=layouts)
+    assert [c.slot for c in checked_values(program, [0, 1], {n})] == [0, 2]
+    assert [c.slot for c in checked_values(program, [0, 1], {n, h})] == [0, 1, 2, 3]
+    assert [c.slot for c in checked_values(program, [1], {n, h})] == [1, 2, 3]  # input 0 is not live
