@@ -109,7 +109,7 @@ def _function(
         lines.append(f"    {unpack}{',' if num_inputs == 1 else ''} = args")
     lines += prologue
     lines += ["    step = -1", "    try:"]
-    lines += [f"        {line}" for line in body]
+    lines += [f"        {line}" for line in body or ["pass"]]
     lines += ["    except BaseException as e:", f"        {raised}", "        raise",
               f"    return ({', '.join(outputs)}{',' if len(outputs) == 1 else ''})"]
     return "\n".join(lines) + "\n"

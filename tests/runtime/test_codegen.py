@@ -13,7 +13,7 @@ from mixer_stage import MixerStage, mix_rows, register_mixer
 
 import ppcompile
 from ppcompile.records import Segment
-from ppcompile.runtime.codegen import graph_forward_source
+from ppcompile.runtime.codegen import graph_forward_source, make_graph_forward, make_live_forward
 from ppcompile.runtime.layout_checks import LayoutMismatchError, checked_values
 from ppcompile.runtime.program import Program, Ref, Step
 from ppcompile.runtime.validation import InputMismatchError
@@ -210,3 +210,11 @@ def test_only_layouts_of_symbols_a_call_binds_are_checked() -> None:
     assert [c.slot for c in checked_values(program, [0, 1], {n})] == [0, 2]
     assert [c.slot for c in checked_values(program, [0, 1], {n, h})] == [0, 1, 2, 3]
     assert [c.slot for c in checked_values(program, [1], {n, h})] == [1, 2, 3]  # input 0 is not live
+
+
+def test_a_program_without_steps_returns_its_inputs_and_constants() -> None:
+    program = Program(num_slots=1, num_inputs=1, steps=(), outputs=(Ref(slot=0), 3), token_dims={},
+                      bridge_buffers={}, input_buffers={})
+    x = torch.ones(2)
+    assert make_live_forward(program)((x,), {}) == (x, 3)
+    assert make_graph_forward(program, "stage", True, False)((x,), [], {}, {}, None, 2, 2, {}, {}) == (x, 3)
