@@ -24,15 +24,15 @@ are checked against their traced layout ``L[k]``; see :class:`LiveLayouts`)::
         L = layouts(env)
         step = -1
         try:
-            if (v0.shape, v0.stride()) != L[0]:
+            if not isinstance(v0, Tensor) or (v0.shape, v0.stride(), v0.dtype, v0.device) != L[0]:
                 v0 = layouts.repair(0, v0, L[0])
-            if (v1.shape, v1.stride()) != L[1]:
+            if not isinstance(v1, Tensor) or (v1.shape, v1.stride(), v1.dtype, v1.device) != L[1]:
                 v1 = layouts.repair(1, v1, L[1])
             step = 0
             v3, v4 = call_0(v0, v1, z0)
             step = 1
             v5 = call_1(v3)
-            if (v5.shape, v5.stride()) != L[2]:
+            if not isinstance(v5, Tensor) or (v5.shape, v5.stride(), v5.dtype, v5.device) != L[2]:
                 v5 = layouts.repair(2, v5, L[2])
             step = 2
             v6 = call_2(v5, v4, v2)
@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
+import torch
 
 from ppcompile.runtime import static_buffers
 from ppcompile.runtime.layout_checks import CheckedValue, LiveLayouts
@@ -146,13 +147,16 @@ def live_forward_source(
     if layouts is not None:
         checks = {c.slot: k for k, c in enumerate(layouts.checked)}
         names["layouts"] = layouts
+        names["Tensor"] = torch.Tensor
 
     def check(slot: int) -> list[str]:
         k = checks.get(slot)
         if k is None:
             return []
-        return [f"if (v{slot}.shape, v{slot}.stride()) != L[{k}]:",
-                f"    v{slot} = layouts.repair({k}, v{slot}, L[{k}])"]
+        v = f"v{slot}"
+        layout = f"({v}.shape, {v}.stride(), {v}.dtype, {v}.device)"
+        return [f"if not isinstance({v}, Tensor) or {layout} != L[{k}]:",
+                f"    {v} = layouts.repair({k}, {v}, L[{k}])"]
 
     body = [line for slot in range(program.num_inputs) for line in check(slot)]
     for step in program.steps:

@@ -8,11 +8,11 @@ them, static buffers by their allocation. What is left, the stage inputs and bre
 segments read at the live size, is checked here, once per value per call, by the generated live
 forward (``codegen.py``)::
 
-    L = layouts(env)                        # expected (shape, stride) per checked value, memoised
+    L = layouts(env)  # expected (shape, stride, dtype, device) per checked value, memoised
     ...
     v22 = call_1(v18, z0, v19, v20)         # a break segment
-    if (v22.shape, v22.stride()) != L[3]:   # the fast path: one tuple comparison
-        v22 = layouts.repair(3, v22, L[3])  # copy into the traced strides, or raise for a wrong shape
+    if not isinstance(v22, Tensor) or (v22.shape, v22.stride(), v22.dtype, v22.device) != L[3]:
+        v22 = layouts.repair(3, v22, L[3])  # copy into the traced strides, or raise (shape, dtype, ...)
 """
 
 from __future__ import annotations
@@ -20,24 +20,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import sympy
 import torch
 
-from ppcompile.runtime.program import Program
+from ppcompile.runtime.program import Program, TensorLayout
 from ppcompile.runtime.validation import GUARD_HINT, InputMismatchError
-from ppcompile.symbolic import SizeFn
 
 __all__ = ["CheckedValue", "LayoutMismatchError", "LiveLayouts", "checked_values"]
 
 log = logging.getLogger(__name__)
 
-Layout = tuple[tuple[int, ...], tuple[int, ...]]
+Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]  # as compared per call
 
 
 class LayoutMismatchError(RuntimeError):
-    """A break segment returned a tensor whose shape differs from the one traced for it."""
+    """A break segment returned a tensor whose shape, dtype or device differs from the traced one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +46,7 @@ class CheckedValue:
     slot: int
     what: str  # for messages: "input 'x'" or "break segment submod_1 (output 0)"
     is_input: bool
-    sizes: tuple[SizeFn, ...]
-    strides: tuple[SizeFn, ...]
+    layout: TensorLayout
 
 
 class LiveLayouts:
@@ -57,9 +55,9 @@ class LiveLayouts:
     Segments are compiled without Inductor's per-input size asserts (``segment_compilers``): their
     parameters are guarded by Dynamo, their intermediates come from other compiled segments, and the
     rest (stage inputs and break outputs) is checked here, once per value per call instead of once per
-    reading segment. A stride that differs is copied into the traced layout; a shape that differs raises
-    (``InputMismatchError`` for an input, which only happens when Dynamo's guards were dropped;
-    :class:`LayoutMismatchError` for a break op whose fake implementation promised another shape).
+    reading segment. A stride that differs is copied into the traced layout; another shape, dtype or
+    device raises (``InputMismatchError`` for an input, which only happens when Dynamo's guards were
+    dropped; :class:`LayoutMismatchError` for a break op whose fake implementation promised otherwise).
     """
 
     def __init__(self, stage: str, checked: Sequence[CheckedValue]) -> None:
@@ -73,26 +71,22 @@ class LiveLayouts:
         key = tuple(env.values())
         hit = self._memo.get(key)
         if hit is None:
-            hit = tuple((tuple(f(env) for f in c.sizes), tuple(f(env) for f in c.strides))
-                        for c in self.checked)
+            hit = tuple((tuple(f(env) for f in c.layout.sizes), tuple(f(env) for f in c.layout.strides),
+                         c.layout.dtype, c.layout.device) for c in self.checked)
             if len(self._memo) < 4096:
                 self._memo[key] = hit
         return hit
 
     def repair(self, i: int, value: Any, expected: Layout) -> torch.Tensor:
-        """``value`` in the expected layout, or a clear error when its shape is not the traced one."""
+        """``value`` in the expected layout, or a clear error when it is not the traced kind of tensor."""
         c = self.checked[i]
-        shape, stride = expected
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            if c.is_input:
-                raise InputMismatchError(
-                    f"pp_breakable: {c.what} of {self.stage}: expected shape {list(shape)}, got {got}. "
-                    f"{GUARD_HINT}")
-            raise LayoutMismatchError(
-                f"pp_breakable: {c.what} of {self.stage} returned {got}, but its trace (the op's fake "
-                f"implementation) has shape {list(shape)}, which the compiled segment after it reads. "
-                "Fix the op's fake implementation (torch.library.opcheck tests it)")
+        shape, stride, dtype, device = expected
+        if not isinstance(value, torch.Tensor):
+            self._fail(c, "a tensor", type(value).__name__)
+        for what, want, got in (("dtype", dtype, value.dtype), ("device", device, value.device),
+                                ("shape", list(shape), list(value.shape))):
+            if want != got:
+                self._fail(c, f"{what} {want}", f"{what} {got}")
         if all(s == e or n < 2 for s, e, n in zip(value.stride(), stride, shape)):
             return value  # only strides of size-1 dims differ: they address no other element
         if i not in self._warned:
@@ -105,6 +99,15 @@ class LiveLayouts:
         fixed.copy_(value)
         return fixed
 
+    def _fail(self, c: CheckedValue, expected: str, got: str) -> NoReturn:
+        if c.is_input:
+            raise InputMismatchError(
+                f"pp_breakable: {c.what} of {self.stage}: expected {expected}, got {got}. {GUARD_HINT}")
+        raise LayoutMismatchError(
+            f"pp_breakable: {c.what} of {self.stage} returned {got}, but its trace (the op's fake "
+            f"implementation) has {expected}, which the compiled segment after it reads. Fix the op's fake "
+            "implementation (torch.library.opcheck tests it)")
+
 
 def checked_values(
     program: Program, input_slots: Iterable[int], known: Collection[sympy.Symbol]
@@ -113,25 +116,22 @@ def checked_values(
     every break output, each only if its sizes and strides are expressions of the ``known`` symbols (the
     ones a call binds; Dynamo guards the rest)."""
 
-    def computable(fns: tuple[SizeFn, ...]) -> bool:
-        return all(f.expr.free_symbols <= known for f in fns)
+    def computable(layout: TensorLayout) -> bool:
+        return all(f.expr.free_symbols <= known for f in (*layout.sizes, *layout.strides))
 
     known = frozenset(known)
     graph_reads = {r.slot for st in program.steps if st.segment.is_graph for r in st.args if r.size is None}
     checked: list[CheckedValue] = []
     for slot in sorted(set(input_slots) & graph_reads):
-        layout = program.input_layouts.get(slot)
-        if layout is not None and computable(layout[1]) and computable(layout[2]):
-            name, sizes, strides = layout
-            checked.append(CheckedValue(slot, f"input {name!r}", True, sizes, strides))
+        named = program.input_layouts.get(slot)
+        if named is not None and computable(named[1]):
+            checked.append(CheckedValue(slot, f"input {named[0]!r}", True, named[1]))
     for st in program.steps:
         if st.segment.is_graph:
             continue
         for i, slot in st.writes:
-            out_sizes = st.out_sizes[i] if i < len(st.out_sizes) else None
-            out_strides = st.out_strides[i] if i < len(st.out_strides) else None
-            if (slot in graph_reads and isinstance(out_sizes, tuple) and out_strides is not None
-                    and computable(out_sizes) and computable(out_strides)):
+            layout = st.out_layouts[i] if i < len(st.out_layouts) else None
+            if slot in graph_reads and layout is not None and computable(layout):
                 checked.append(CheckedValue(slot, f"break segment {st.segment.name} (output {i})", False,
-                                            out_sizes, out_strides))
+                                            layout))
     return checked

@@ -21,7 +21,7 @@ from ppcompile.passes.context import PassContext
 from ppcompile.records import Segment, StaticBuffer
 from ppcompile.symbolic import SizeFn, example_value, size_expr
 
-__all__ = ["Program", "Ref", "Step", "build_program"]
+__all__ = ["Program", "Ref", "Step", "TensorLayout", "build_program"]
 
 SegmentFn = Callable[..., Sequence[Any]]
 
@@ -32,6 +32,21 @@ class Ref:
 
     slot: int = -1
     size: SizeFn | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """A traced tensor's layout: size and stride per dim (expressions of the symbols), dtype, device."""
+
+    sizes: tuple[SizeFn, ...]
+    strides: tuple[SizeFn, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(value: torch.Tensor) -> TensorLayout:
+        return TensorLayout(tuple(SizeFn(size_expr(d)) for d in value.shape),
+                            tuple(SizeFn(size_expr(d)) for d in value.stride()), value.dtype, value.device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +63,8 @@ class Step:
     writes: tuple[tuple[int, int], ...] = ()
     # Per output, from the traced values: a tensor's size per dim, a number's value, or None.
     out_sizes: tuple[tuple[SizeFn, ...] | SizeFn | None, ...] = ()
-    # Per output, a tensor's stride per dim (else None): the layout graph segments were compiled for.
-    out_strides: tuple[tuple[SizeFn, ...] | None, ...] = ()
+    # Per output, a tensor's traced layout (else None): what graph segments were compiled to read.
+    out_layouts: tuple[TensorLayout | None, ...] = ()
     # The segment's callable as compiled: returns its one output bare when ``single_output``.
     call: Callable[..., Any] | None = None
     single_output: bool = False
@@ -77,9 +92,8 @@ class Program:
     token_dims: dict[int, tuple[tuple[int, SizeFn], ...]]  # slot -> (dim, live size) to narrow
     bridge_buffers: dict[int, StaticBuffer]
     input_buffers: dict[int, StaticBuffer]
-    # Tensor inputs: slot -> (name, size per dim, stride per dim) as traced.
-    input_layouts: dict[int, tuple[str, tuple[SizeFn, ...], tuple[SizeFn, ...]]] = dataclasses.field(
-        default_factory=dict)
+    # Tensor inputs: slot -> (placeholder name, traced layout).
+    input_layouts: dict[int, tuple[str, TensorLayout]] = dataclasses.field(default_factory=dict)
 
 
 def _unwrap_single(fn: Callable[..., Any]) -> SegmentFn:
@@ -106,11 +120,9 @@ def _output_sizes(out: torch.fx.Node, multi: bool) -> tuple[tuple[SizeFn, ...] |
     return tuple(sizes)
 
 
-def _output_strides(out: torch.fx.Node, multi: bool) -> tuple[tuple[SizeFn, ...] | None, ...]:
-    return tuple(
-        tuple(SizeFn(size_expr(d)) for d in ev.stride()) if isinstance(ev, torch.Tensor) else None
-        for ev in _output_values(out, multi)
-    )
+def _output_layouts(out: torch.fx.Node, multi: bool) -> tuple[TensorLayout | None, ...]:
+    values = _output_values(out, multi)
+    return tuple(TensorLayout.of(ev) if isinstance(ev, torch.Tensor) else None for ev in values)
 
 
 def build_program(
@@ -161,7 +173,7 @@ def build_program(
             out_slots=tuple(out_slots),
             writes=tuple((i, s) for i, s in enumerate(out_slots) if s >= 0),
             out_sizes=_output_sizes(out, multi),
-            out_strides=_output_strides(out, multi),
+            out_layouts=_output_layouts(out, multi),
             call=fn,
             single_output=not multi,
         ))
@@ -197,9 +209,6 @@ def build_program(
         token_dims=token_dims,
         bridge_buffers=bridge_buffers,
         input_buffers=input_buffers,
-        input_layouts={
-            slots[p]: (p.name, tuple(SizeFn(size_expr(d)) for d in ev.shape),
-                       tuple(SizeFn(size_expr(d)) for d in ev.stride()))
-            for p in placeholders if isinstance(ev := example_value(p), torch.Tensor)
-        },
+        input_layouts={slots[p]: (p.name, TensorLayout.of(ev)) for p in placeholders
+                       if isinstance(ev := example_value(p), torch.Tensor)},
     )

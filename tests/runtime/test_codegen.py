@@ -15,7 +15,7 @@ import ppcompile
 from ppcompile.records import Segment
 from ppcompile.runtime.codegen import graph_forward_source, make_graph_forward, make_live_forward
 from ppcompile.runtime.layout_checks import LayoutMismatchError, checked_values
-from ppcompile.runtime.program import Program, Ref, Step
+from ppcompile.runtime.program import Program, Ref, Step, TensorLayout
 from ppcompile.runtime.validation import InputMismatchError
 from ppcompile.symbolic import SizeFn
 
@@ -43,6 +43,17 @@ def one_row_short(x: torch.Tensor) -> torch.Tensor:
 
 
 @one_row_short.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pptest_live::as_double", mutates_args=())
+def as_double(x: torch.Tensor) -> torch.Tensor:
+    """The mixer in float64: its fake implementation below keeps the input's dtype."""
+    return mix_rows(x).double()
+
+
+@as_double.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
@@ -129,6 +140,13 @@ def test_a_break_output_of_another_shape_than_traced_raises_naming_the_segment()
     assert any("raised in segment submod_" in note for note in getattr(info.value, "__notes__", []))
 
 
+def test_a_break_output_of_another_dtype_than_traced_raises() -> None:
+    c = _compile(MixerStage(torch.ops.pptest_live.as_double, H))
+    with torch.no_grad(), pytest.raises(LayoutMismatchError, match=r"break segment submod_\d.*returned dtype "
+                                        r"torch.float64.*has dtype torch.float32"):
+        c(*_inputs(5))
+
+
 def _no_guards(entries: list[Any]) -> list[bool]:
     return [False] * len(entries)
 
@@ -144,6 +162,9 @@ def test_without_guards_live_inputs_are_checked_before_compiled_segments_read_th
         with pytest.raises(InputMismatchError, match=r"input 'l_residual_' .*expected shape \[6, 8\], "
                                                      r"got shape \[6, 1\].*guards"):
             c(x, r[:, :1])
+        with pytest.raises(InputMismatchError, match=r"input 'l_x_' .*expected dtype torch.float32, "
+                                                     r"got dtype torch.float64"):
+            c(x.double(), r)
         _check(c, m, *_inputs(9, seed=2))  # the next valid call is correct
 
 
@@ -194,17 +215,16 @@ def test_only_layouts_of_symbols_a_call_binds_are_checked() -> None:
     checked: its expected layout could not be computed per call."""
     n, h = sympy.Symbol("n", integer=True, positive=True), sympy.Symbol("h", integer=True, positive=True)
     four, one = SizeFn(sympy.Integer(4)), SizeFn(sympy.Integer(1))
-    known_layout = ((SizeFn(n), four), (four, one))  # [n, 4], contiguous
-    guarded_layout = ((SizeFn(n), SizeFn(h)), (SizeFn(h), one))  # [n, h]: h is not bound per call
+    cpu = torch.device("cpu")
+    known_layout = TensorLayout((SizeFn(n), four), (four, one), torch.float32, cpu)  # [n, 4]
+    guarded_layout = TensorLayout((SizeFn(n), SizeFn(h)), (SizeFn(h), one), torch.float32, cpu)  # h: guarded
     graph, brk = Segment("g", "graph", 1), Segment("b", "break", 1)
     steps = (
-        Step(0, brk, _ident, (Ref(slot=0),), (2,), writes=((0, 2),),
-             out_sizes=(known_layout[0],), out_strides=(known_layout[1],)),
-        Step(1, brk, _ident, (Ref(slot=1),), (3,), writes=((0, 3),),
-             out_sizes=(guarded_layout[0],), out_strides=(guarded_layout[1],)),
+        Step(0, brk, _ident, (Ref(slot=0),), (2,), writes=((0, 2),), out_layouts=(known_layout,)),
+        Step(1, brk, _ident, (Ref(slot=1),), (3,), writes=((0, 3),), out_layouts=(guarded_layout,)),
         Step(2, graph, _ident, (Ref(slot=0), Ref(slot=1), Ref(slot=2), Ref(slot=3)), (4,), writes=((0, 4),)),
     )
-    layouts = {0: ("x", *known_layout), 1: ("y", *guarded_layout)}
+    layouts = {0: ("x", known_layout), 1: ("y", guarded_layout)}
     program = Program(num_slots=5, num_inputs=2, steps=steps, outputs=(Ref(slot=4),), token_dims={},
                       bridge_buffers={}, input_buffers={}, input_layouts=layouts)
     assert [c.slot for c in checked_values(program, [0, 1], {n})] == [0, 2]
