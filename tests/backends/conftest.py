@@ -26,12 +26,8 @@ def _inductor_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is faster and immune to oversubscription on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test here runs with tests/conftest.py's ``one_thread``."""
 
 
 @pytest.fixture(autouse=True)

@@ -19,9 +19,5 @@ def _fresh() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny stages: one intra-op thread is faster and immune to oversubscription on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test here runs with tests/conftest.py's ``one_thread``."""
