@@ -28,7 +28,8 @@ import torch
 from ppcompile.runtime.program import Program, TensorLayout
 from ppcompile.runtime.validation import GUARD_HINT, InputMismatchError
 
-__all__ = ["CheckedValue", "LayoutMismatchError", "LiveLayouts", "checked_values"]
+__all__ = ["CheckedValue", "LayoutMismatchError", "LiveLayouts", "check_static_layout", "checked_values",
+           "static_layouts", "traced_strides"]
 
 log = logging.getLogger(__name__)
 
@@ -135,3 +136,50 @@ def checked_values(
                 checked.append(CheckedValue(slot, f"break segment {st.segment.name} (output {i})", False,
                                             layout))
     return checked
+
+
+def static_layouts(program: Program) -> dict[int, tuple[str, TensorLayout]]:
+    """Each static buffer's value (a lifted input or a bridged break output): what it is, for messages,
+    and the layout it was traced with, which the graph segments reading its buffer were compiled for."""
+    named: dict[int, tuple[str, TensorLayout]] = {}
+    for slot in program.input_buffers:
+        if slot in program.input_layouts:
+            name, traced = program.input_layouts[slot]
+            named[slot] = (f"input {name!r}", traced)
+    for st in program.steps:
+        for i, slot in st.writes:
+            layout = st.out_layouts[i] if i < len(st.out_layouts) else None
+            if slot in program.bridge_buffers and layout is not None:
+                named[slot] = (f"the output {i} of break segment {st.segment.name}", layout)
+    return named
+
+
+def traced_strides(layout: TensorLayout, env: Mapping[sympy.Symbol, int]) -> tuple[int, ...] | None:
+    """``layout``'s strides for ``env``, or None when one names a symbol ``env`` does not bind."""
+    try:
+        return tuple(f(env) for f in layout.strides)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def check_static_layout(what: str, layout: TensorLayout, view: torch.Tensor,
+                        env: Mapping[sympy.Symbol, int], bucket: int) -> None:
+    """Raises ``RuntimeError`` when the bucket view of a static buffer is not laid out as the graph
+    segments reading it were compiled for (checked once per bucket, at capture). Inductor segments
+    have no input asserts of their own, so without this they would read it with the wrong strides."""
+    try:
+        shape = tuple(f(env) for f in layout.sizes)
+        stride = tuple(f(env) for f in layout.strides)
+    except (KeyError, TypeError, ValueError):  # a size of a symbol no call binds: Dynamo guards it
+        return
+    same_strides = all(a == e or n < 2 for a, e, n in zip(view.stride(), stride, shape))
+    if tuple(view.shape) == shape and same_strides and view.dtype == layout.dtype:
+        return
+    raise RuntimeError(
+        f"pp_breakable: the static buffer of {what} at bucket {bucket} has shape {list(view.shape)}, "
+        f"strides {list(view.stride())} and dtype {view.dtype}, but the graph segments reading it were "
+        f"compiled for shape {list(shape)}, strides {list(stride)} and dtype {layout.dtype} (its traced "
+        "layout). A static buffer keeps the traced dim order and is narrowed along its token dims per "
+        "bucket, which cannot give these strides when a dim of size > 1 lies outside a token dim in "
+        "memory; make the value contiguous in the model (e.g. .contiguous() after the op that makes it), "
+        "or use graph_mode='none'")

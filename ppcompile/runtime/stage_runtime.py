@@ -40,7 +40,12 @@ from ppcompile.records import InputKind
 from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.codegen import GraphForward, make_graph_forward, make_live_forward
 from ppcompile.runtime.executors import GraphExecutor, make_executor
-from ppcompile.runtime.layout_checks import checked_values
+from ppcompile.runtime.layout_checks import (
+    check_static_layout,
+    checked_values,
+    static_layouts,
+    traced_strides,
+)
 from ppcompile.runtime.program import Program, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import allocate, narrow_to
@@ -117,6 +122,10 @@ class StageRuntime:
         checked = (checked_values(program, self._tensor_slots, known)
                    if segments_skip_size_asserts(config) and not ctx.is_static else [])
         self._live_forward = make_live_forward(program, name, checked)
+        # Compiled segments read static buffers with the strides they were compiled for: buffers keep the
+        # traced dim order, checked per bucket at capture. Eager segments read any layout.
+        compiled = config.segment_compiler != "eager" and not ctx.is_static
+        self._static_layouts = static_layouts(program) if compiled else {}
         self._graph_forwards: dict[tuple[bool, bool], GraphForward] = {}  # by (binds inputs, pass args)
         self._owned_slots = frozenset(s for st in program.steps if st.segment.is_graph for s in st.live_views)
         self._warned: set[str] = set()
@@ -372,6 +381,11 @@ class StageRuntime:
                 sizes[storage.data_ptr()] = storage.nbytes()
         return sum(sizes.values())
 
+    def _allocate(self, slot: int, spec: Any, env_max: dict[sympy.Symbol, int]) -> torch.Tensor:
+        """The static buffer of ``slot``, in its traced dim order (``static_buffers.allocate``)."""
+        traced = self._static_layouts.get(slot)
+        return allocate(spec, traced_strides(traced[1], env_max) if traced is not None else None)
+
     def _capture(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> _InstanceState:
         """Allocates static buffers and captures every (graph segment, bucket), largest bucket first."""
         program = self.program
@@ -380,9 +394,10 @@ class StageRuntime:
             module_state=tuple(args[i] for i in (*self._state_slots, *self._scalar_slots)),
         )
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
-        state.input_buffers = {s: allocate(spec) for s, spec in program.input_buffers.items()}
-        state.bridge_buffers = {s: allocate(spec) for s, spec in program.bridge_buffers.items()}
         env = self._env(args, self.num_tokens(args))
+        env[self.token_symbol] = max(self.plan.sizes)
+        state.input_buffers = {s: self._allocate(s, spec, env) for s, spec in program.input_buffers.items()}
+        state.bridge_buffers = {s: self._allocate(s, spec, env) for s, spec in program.bridge_buffers.items()}
         graph_steps = [st for st in program.steps if st.segment.is_graph]
         start = time.perf_counter()
         from ppcompile.debug.capture import CaptureRecorder  # progress, time and memory per bucket
@@ -398,6 +413,8 @@ class StageRuntime:
                         table[i] = args[i]
                     for s, buf in (*state.input_buffers.items(), *state.bridge_buffers.items()):
                         table[s] = narrow_to(buf, program.token_dims.get(s, ()), env)
+                        if s in self._static_layouts:
+                            check_static_layout(*self._static_layouts[s], table[s], env, b)
                     for st in graph_steps:
                         sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
                         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import sympy
 import torch
@@ -16,16 +16,23 @@ TokenDims = tuple[tuple[int, SizeFn], ...]
 Env = Mapping[sympy.Symbol, int]
 
 
-def allocate(spec: StaticBuffer) -> torch.Tensor:
-    """A zero-filled buffer of ``spec``'s largest-bucket shape.
+def allocate(spec: StaticBuffer, strides: Sequence[int] | None = None) -> torch.Tensor:
+    """A zero-filled buffer of ``spec``'s largest-bucket shape, row-major, or with its dims in the memory
+    order of ``strides`` (the traced value's strides at the largest bucket): graph segments are compiled
+    for the traced layout, and a bucket's view (narrowed along the token dims) keeps that order.
 
     Made in the caller's inference mode: under ``torch.inference_mode()`` it is an inference tensor,
     like everything eager creates there, so what the graph path returns looks to Dynamo exactly like
     what the eager path returns (a mismatch would recompile the next stage). The runtime keeps one set
     of buffers per mode.
     """
+    shape = tuple(spec.shape)
     with torch.no_grad():
-        return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+        if strides is None or len(strides) != len(shape):
+            return torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        order = sorted(range(len(shape)), key=lambda d: -strides[d])  # outermost first; stable on ties
+        physical = torch.zeros([shape[d] for d in order], dtype=spec.dtype, device=spec.device)
+        return physical.permute([order.index(d) for d in range(len(shape))])
 
 
 def narrow_to(t: torch.Tensor, dims: TokenDims, env: Env) -> torch.Tensor:

@@ -71,6 +71,24 @@ def _reasons(runtimes: list[StageRuntime], kind: BreakKind) -> str:
     return " | ".join(str(r) for rt in runtimes for r in rt.break_reasons if r.kind is kind)
 
 
+def test_inductor_segments_replay_around_sdpa() -> None:
+    """SDPA returns ``[B, heads, T, dim]`` laid out token-major; the bridge buffer after it keeps that
+    layout, so the Inductor segment reading it replays every bucket (it used to fail capture)."""
+    model = _model("llama")
+    options = {**OPTIONS, "segment_compiler": "inductor"}
+    stages = [torch.compile(s, backend="pp_breakable", options=options) for s in make_hf_stages(model, 2)]
+    with torch.inference_mode(), ppcompile.counters.expect(replays=6, eager_runs=0):
+        for n in (8, 9, 3):  # exactly a bucket, a bucket + 1, padded into the smallest
+            ids, positions = _ids(n), torch.arange(n)
+            if n == 8:  # the first call: mark the token dims (the proxies too, before stage 1 sees them)
+                ppcompile.mark_token_dynamic(ids, positions)
+            proxies = stages[0](ids, positions)
+            if n == 8:
+                ppcompile.mark_token_dynamic(proxies)
+            logits = stages[1](None, positions, pp_proxy_tensors=proxies)
+            torch.testing.assert_close(logits, model(ids[None]).logits[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_stages_match_eager_and_follow_the_bucket_plan(
     family: str, new_runtimes: Callable[[], list[StageRuntime]]

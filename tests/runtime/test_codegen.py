@@ -58,6 +58,43 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("pptest_live::heads_first", mutates_args=())
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """The mixer of ``x [T, 16]`` as two heads, ``[2, T, 8]`` laid out token-major (strides (8, 16, 1)),
+    as attention kernels return ``[heads, T, dim]``; its fake implementation says the same."""
+    return mix_rows(x).view(x.shape[0], 2, 8).transpose(0, 1).clone()
+
+
+@heads_first.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty_strided((2, x.shape[0], 8), (8, 16, 1))
+
+
+@torch.library.custom_op("pptest_live::honest_column_major", mutates_args=())
+def honest_column_major(x: torch.Tensor) -> torch.Tensor:
+    """The mixer, column-major; its fake implementation says column-major too."""
+    return mix_rows(x).t().contiguous().t()
+
+
+@honest_column_major.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty_strided(x.shape, (1, x.shape[0]))
+
+
+class HeadsStage(torch.nn.Module):
+    """graph (up) | break (heads_first) | graph (merge heads, down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(H, 2 * H), torch.nn.Linear(2 * H, H)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = torch.ops.pptest_live.heads_first(torch.relu(self.up(x + residual)))
+        out = self.down(heads.transpose(0, 1).reshape(x.shape[0], 2 * H))
+        return out, out + residual
+
+
 def _compile(m: torch.nn.Module, **options: Any) -> Any:
     guard_filter_fn = options.pop("guard_filter_fn", None)
     opts: dict[str, Any] = {"segment_compiler": "inductor", "graph_mode": "none", **options}
@@ -238,3 +275,31 @@ def test_a_program_without_steps_returns_its_inputs_and_constants() -> None:
     x = torch.ones(2)
     assert make_live_forward(program)((x,), {}) == (x, 3)
     assert make_graph_forward(program, "stage", True, False)((x,), [], {}, {}, None, 2, 2, {}, {}) == (x, 3)
+
+
+def test_a_static_buffer_keeps_the_traced_layout_of_what_it_holds() -> None:
+    """A break output laid out token-major but not token-first ([heads, T, dim], as attention returns it)
+    gets a bridge buffer in that layout, so the Inductor segment that reads it replays correctly."""
+    m = HeadsStage()
+    c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
+    with torch.no_grad(), ppcompile.counters.expect(replays=3, eager_runs=1):
+        for i, n in enumerate([5, 8, 9, 17]):
+            _check(c, m, *_inputs(n, seed=i))
+    (state,) = _runtime()._states.values()
+    (bridge,) = state.bridge_buffers.values()
+    assert bridge.shape == (2, 16, 8) and bridge.stride() == (8, 16, 1)
+
+
+def test_a_layout_static_buffers_cannot_hold_fails_capture_clearly_then_runs_eagerly() -> None:
+    """Column-major [T, H]: a bucket's view of a column-major buffer has the largest bucket's column
+    stride, not its own, so no buffer can serve every bucket; capture says so (graphs stay off)."""
+    m = MixerStage(torch.ops.pptest_live.honest_column_major, H)
+    c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=r"static buffer of the output 0 of break segment submod_\d "
+                                               r"at bucket 8 .*strides \[1, 16\].*compiled for .*strides "
+                                               r"\[1, 8\].*make the value contiguous"):
+            c(*_inputs(5))
+        with ppcompile.counters.expect(replays=0, eager_runs=2):
+            for i, n in enumerate([5, 9]):
+                _check(c, m, *_inputs(n, seed=i))

@@ -109,3 +109,14 @@ def test_narrow_to_returns_views() -> None:
 
     two = narrow_to(torch.zeros(16, 16), ((0, TOKENS), (1, SizeFn(S // 2))), _env(6))
     assert two.shape == (6, 3)
+
+
+def test_allocate_keeps_the_traced_dim_order_so_bucket_views_keep_the_traced_strides() -> None:
+    """A heads-first value [2, T, 4] laid out token-major (strides (4, 8, 1) at T = 16): the buffer has
+    that memory order, and its view at a smaller bucket has the strides the trace gives for that bucket."""
+    buf = allocate(_spec((2, 16, 4), token_dims=(1,)), strides=(4, 8, 1))
+    assert buf.shape == (2, 16, 4) and buf.stride() == (4, 8, 1) and not buf.any()
+    view = narrow_to(buf, ((1, TOKENS),), _env(8))
+    assert view.stride() == (4, 8, 1)  # the traced strides at T = 8: (4, 2 * 4, 1)
+    row_major = allocate(_spec((2, 16, 4), token_dims=(1,)))
+    assert row_major.stride() == (64, 4, 1)
