@@ -16,7 +16,10 @@ the same whichever runs the graphs:
   (``shapes``), the buckets of one segment share output memory, as graphs in one pool do when their
   outputs are not held: the segment runs once, at its first (largest) bucket, and smaller buckets
   capture leading views of those outputs, so capture costs one run per segment instead of one per
-  (segment, bucket), and any bucket's replay overwrites the others' outputs.
+  (segment, bucket), and any bucket's replay overwrites the others' outputs. A view must also have the
+  bucket's own strides (``strides``): an output laid out with the token dim inner (``[H, T]`` row-major)
+  keeps the largest bucket's row stride in a view, which a segment compiled for the bucket's strides
+  would misread, so that output gets its own memory per bucket (its segment runs at each bucket).
 * ``EagerExecutor``: runs the segment on whatever static tensors it is given each call and returns
   fresh outputs: same data movement, no fixed addresses (isolates graph bugs from buffer bugs).
 """
@@ -47,6 +50,7 @@ SegmentFn = Callable[..., Sequence[Any]]
 Key = tuple[int, int]  # (segment index, bucket)
 # Per output of a segment at one bucket: a tensor's shape, a number's value, or None (not derivable).
 OutputShapes = Sequence[tuple[int, ...] | int | None]
+OutputStrides = Sequence[tuple[int, ...] | None]
 
 
 class ReplayAddressError(RuntimeError):
@@ -74,11 +78,13 @@ class GraphExecutor(abc.ABC):
 
     @abc.abstractmethod
     def capture(
-        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None
+        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None,
+        strides: OutputStrides | None = None,
     ) -> tuple[Any, ...]:
         """Captures ``fn(*args)`` for ``key``; returns the outputs replays will write into.
-        ``shapes``: what each output is at this bucket, when the runtime can tell (see the module
-        docstring); an executor may ignore it."""
+        ``shapes`` / ``strides``: what each output is at this bucket (a tensor's shape and strides, a
+        number's value), when the runtime can tell (see the module docstring); an executor may ignore
+        them."""
 
     @abc.abstractmethod
     def replay(self, key: Key, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -128,16 +134,23 @@ def _storages(values: Sequence[Any]) -> list[int]:
     return [v.untyped_storage().data_ptr() for v in values if isinstance(v, torch.Tensor)]
 
 
-def _leading_views(outputs: Sequence[Any], shapes: OutputShapes) -> tuple[Any, ...] | None:
-    """Views of ``outputs`` with ``shapes`` (each dim narrowed from the start), or None if one can't be."""
+def _leading_views(
+    outputs: Sequence[Any], shapes: OutputShapes, strides: OutputStrides | None = None
+) -> tuple[Any, ...] | None:
+    """Views of ``outputs`` with ``shapes`` (each dim narrowed from the start), or None if one can't be,
+    or if one would not have the given ``strides`` (a later segment compiled for a bucket's own strides
+    must not read a larger bucket's view: [H, T] row-major keeps the larger T as its row stride)."""
     views: list[Any] = []
-    for out, shape in zip(outputs, shapes, strict=True):
+    for i, (out, shape) in enumerate(zip(outputs, shapes, strict=True)):
         if isinstance(out, torch.Tensor) and isinstance(shape, tuple) and len(shape) == out.dim():
             if any(n > m for n, m in zip(shape, out.shape)):
                 return None
             for d, n in enumerate(shape):
                 if n != out.shape[d]:
                     out = out.narrow(d, 0, n)
+            want = strides[i] if strides is not None and i < len(strides) else None
+            if want is not None and not all(a == e or n < 2 for a, e, n in zip(out.stride(), want, shape)):
+                return None
             views.append(out)
         elif isinstance(shape, int) and not isinstance(out, torch.Tensor):
             views.append(shape)
@@ -158,11 +171,12 @@ class EmulatedGraphExecutor(GraphExecutor):
         self._shared: dict[int, tuple[Any, ...] | None] = {}
 
     def capture(
-        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None
+        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None,
+        strides: OutputStrides | None = None,
     ) -> tuple[Any, ...]:
         first = self._shared.get(key[0])
         if first is not None and shapes is not None:
-            views = _leading_views(first, shapes)
+            views = _leading_views(first, shapes, strides)
             if views is not None:
                 self._captured[key] = _Captured(fn, tuple(args), views)
                 return views
@@ -206,7 +220,8 @@ class EagerExecutor(GraphExecutor):
     binds_inputs = False
 
     def capture(
-        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None
+        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None,
+        strides: OutputStrides | None = None,
     ) -> tuple[Any, ...]:
         self._captured[key] = _Captured(fn, (), ())
         return tuple(fn(*args))
@@ -252,7 +267,8 @@ class CudaGraphExecutor(GraphExecutor):
                 gc.enable()
 
     def capture(
-        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None
+        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None,
+        strides: OutputStrides | None = None,
     ) -> tuple[Any, ...]:
         if self._stream is None:
             self._stream = torch.cuda.Stream()

@@ -69,6 +69,16 @@ class Step:
     call: Callable[..., Any] | None = None
     single_output: bool = False
 
+    def output_strides(self, env: Mapping[sympy.Symbol, int]) -> list[tuple[int, ...] | None]:
+        """Each tensor output's traced strides for ``env`` (None for a number, or if unknown)."""
+        strides: list[tuple[int, ...] | None] = []
+        for layout in self.out_layouts:
+            try:
+                strides.append(None if layout is None else tuple(f(env) for f in layout.strides))
+            except (KeyError, TypeError, ValueError):  # a symbol the env does not bind
+                strides.append(None)
+        return strides
+
     def output_shapes(self, env: Mapping[sympy.Symbol, int]) -> list[tuple[int, ...] | int | None]:
         """What each output is for ``env``: a tensor's shape, a number's value, None if unknown."""
         shapes: list[tuple[int, ...] | int | None] = []

@@ -418,7 +418,8 @@ class StageRuntime:
                     for st in graph_steps:
                         sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
                         try:
-                            outs = state.executor.capture((st.index, b), st.fn, sargs, st.output_shapes(env))
+                            outs = state.executor.capture((st.index, b), st.fn, sargs, st.output_shapes(env),
+                                                          st.output_strides(env))
                         except Exception as e:
                             raise RuntimeError(
                                 f"pp_breakable: capturing segment {st.segment.name} of {self.name} for "

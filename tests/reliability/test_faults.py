@@ -74,12 +74,13 @@ def test_a_failed_capture_raises_with_context_then_runs_eagerly_with_a_warning(
 
     def fail_at_bucket_8(
 
-        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
+        strides: Any = None,
 
     ) -> Any:
         if key[1] == 8:
             raise MemoryError("no room for bucket 8 (test)")
-        return real(self, key, fn, args, shapes)
+        return real(self, key, fn, args, shapes, strides)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_at_bucket_8)
     m = Stage()
@@ -107,13 +108,14 @@ def test_an_interrupted_capture_keeps_nothing_and_the_next_call_captures_again(
 
     def interrupt_once(
 
-        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
+        strides: Any = None,
 
     ) -> Any:
         calls["n"] += 1
         if calls["n"] == 3:  # after bucket 16 was captured
             raise interrupt()
-        return real(self, key, fn, args, shapes)
+        return real(self, key, fn, args, shapes, strides)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", interrupt_once)
     m = Stage()

@@ -63,7 +63,8 @@ def test_cuda_a_fault_while_the_stream_is_capturing(monkeypatch: pytest.MonkeyPa
     fired: list[bool] = []
 
     def capture(
-        self: CudaGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+        self: CudaGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
+        strides: Any = None,
     ) -> Any:
         def body(*a: Any) -> Any:
             out = fn(*a)
@@ -72,7 +73,7 @@ def test_cuda_a_fault_while_the_stream_is_capturing(monkeypatch: pytest.MonkeyPa
                 raise exc("fault during stream capture (test)")
             return out
 
-        return real(self, key, body, args, shapes)
+        return real(self, key, body, args, shapes, strides)
 
     monkeypatch.setattr(CudaGraphExecutor, "capture", capture)
     m = Stage().cuda()

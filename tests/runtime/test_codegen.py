@@ -303,3 +303,28 @@ def test_a_layout_static_buffers_cannot_hold_fails_capture_clearly_then_runs_eag
         with ppcompile.counters.expect(replays=0, eager_runs=2):
             for i, n in enumerate([5, 9]):
                 _check(c, m, *_inputs(n, seed=i))
+
+
+class TokenInnerStage(torch.nn.Module):
+    """graph (up, and ``[H, T]`` row-major: the token dim inner) | break (mixer) | graph (reads both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(H, H), torch.nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = torch.relu(self.up(x)).t().contiguous()
+        out = self.down(torch.ops.pptest_live.mixer(x + residual)) + columns.t() * 2
+        return out, out + residual
+
+
+def test_a_graph_output_with_the_token_dim_inner_replays_every_bucket_with_its_own_strides() -> None:
+    """Under emulation smaller buckets view the largest bucket's outputs; a ``[H, T]`` row-major output
+    viewed so keeps the largest T as its row stride, which the next compiled segment would misread: such
+    an output gets its own memory per bucket instead."""
+    m = TokenInnerStage()
+    c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
+    with torch.no_grad(), ppcompile.counters.expect(replays=4, eager_runs=0):
+        for i, n in enumerate([12, 5, 8, 9]):
+            _check(c, m, *_inputs(n, seed=i))

@@ -234,3 +234,26 @@ def test_emulated_replay_of_an_expanded_output() -> None:
     (again,) = ex.replay((0, 4), ())
     assert again is out
     torch.testing.assert_close(out, (torch.arange(4.0) + 10)[:, None].expand(-1, 3))
+
+
+def _token_inner(x: torch.Tensor) -> tuple[torch.Tensor]:
+    """A segment whose output keeps the token dim inner: ``[3, T]`` row-major (row stride T)."""
+    return ((x @ W).t().contiguous(),)
+
+
+def test_emulated_buckets_share_outputs_only_where_a_view_has_the_buckets_own_strides() -> None:
+    ex = EmulatedGraphExecutor()
+    x16, x8 = torch.randn(16, 4), torch.randn(8, 4)
+    big = ex.capture((0, 16), _token_inner, (x16,), [(3, 16)], [(16, 1)])
+    # Bucket 8 wants strides (8, 1): a view of bucket 16's output has (16, 1), so it gets its own.
+    (small,) = ex.capture((0, 8), _token_inner, (x8,), [(3, 8)], [(8, 1)])
+    assert small.stride() == (8, 1)
+    assert small.untyped_storage().data_ptr() != big[0].untyped_storage().data_ptr()
+    # Without strides (an executor caller that cannot tell), the view is taken as before.
+    ex2 = EmulatedGraphExecutor()
+    big2 = ex2.capture((0, 16), _token_inner, (x16,), [(3, 16)])
+    (view,) = ex2.capture((0, 8), _token_inner, (x8,), [(3, 8)])
+    assert view.stride() == (16, 1)
+    assert view.untyped_storage().data_ptr() == big2[0].untyped_storage().data_ptr()
+    x8.copy_(torch.randn(8, 4))
+    torch.testing.assert_close(ex.replay((0, 8), ())[0], _token_inner(x8)[0])

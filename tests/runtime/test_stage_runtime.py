@@ -193,10 +193,11 @@ def test_captures_largest_bucket_first(monkeypatch: pytest.MonkeyPatch) -> None:
     real = EmulatedGraphExecutor.capture
 
     def recording(
-        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
+        strides: Any = None,
     ) -> Any:
         order.append(key)
-        return real(self, key, fn, args, shapes)
+        return real(self, key, fn, args, shapes, strides)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", recording)
     m = Stage()
@@ -340,13 +341,14 @@ def test_capture_failure_names_segment_and_bucket_then_runs_eagerly(monkeypatch:
 
     def fail_once(
 
-        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
+        strides: Any = None,
 
     ) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
             raise MemoryError("out of graph memory (test)")
-        return real(self, key, fn, args, shapes)
+        return real(self, key, fn, args, shapes, strides)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_once)
     m = Stage()
@@ -367,12 +369,13 @@ def test_failed_capture_releases_graphs_captured_before_it(monkeypatch: pytest.M
 
     def fail_at_bucket_4(
 
-        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
+        strides: Any = None,
 
     ) -> Any:
         if key[1] == 4:
             raise RuntimeError("no memory left for bucket 4 (test)")
-        return real(self, key, fn, args, shapes)
+        return real(self, key, fn, args, shapes, strides)
 
     monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_at_bucket_4)
     m = Stage()
@@ -387,7 +390,8 @@ def test_failed_capture_releases_graphs_captured_before_it(monkeypatch: pytest.M
 
 def test_persistent_capture_failure_leaves_runtime_usable(monkeypatch: pytest.MonkeyPatch) -> None:
     def always_fail(
-        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None
+        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
+        strides: Any = None,
     ) -> Any:
         raise RuntimeError("capture not possible (test)")
 
