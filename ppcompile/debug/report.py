@@ -166,7 +166,7 @@ def on_stage_compiled(runtime: StageRuntime, split: torch.fx.GraphModule, ctx: P
 def runtime_code(runtime: StageRuntime) -> str:
     """The per-call code the runtime generated for the stage (``runtime/codegen.py``): the live path
     and, for a graph mode with graphs, the graph path its executor uses."""
-    from ppcompile.runtime.codegen import graph_forward_source
+    from ppcompile.runtime.codegen import graph_forward_source, replay_passes_args
 
     parts = [f"# ppcompile: code generated for each call of {runtime.name} (it calls the segments of "
              "split_module.py; call_<i> is step i)", "",
@@ -174,7 +174,7 @@ def runtime_code(runtime: StageRuntime) -> str:
              str(getattr(runtime._live_forward, "source", "")).rstrip()]
     executor = EXECUTORS.get(runtime.graph_mode)
     if executor is not None:
-        pass_args = not executor.binds_inputs or runtime.config.debug
+        pass_args = replay_passes_args(executor.binds_inputs, runtime.config.debug)
         source, _ = graph_forward_source(runtime.program, executor.binds_inputs, pass_args)
         parts += ["", f"# graph path ({runtime.graph_mode} executor; replay((i, b), ...) replays step i "
                   "at bucket b)", source.rstrip()]

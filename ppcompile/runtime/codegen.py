@@ -60,7 +60,7 @@ from ppcompile.runtime.program import Program, Ref, Step
 from ppcompile.symbolic import SizeFn
 
 __all__ = ["GraphForward", "LiveForward", "graph_forward_source", "live_forward_source", "make_graph_forward",
-           "make_live_forward"]
+           "make_live_forward", "replay_passes_args"]
 
 LiveForward = Callable[[Sequence[Any], Mapping[sympy.Symbol, int]], tuple[Any, ...]]
 GraphForward = Callable[..., tuple[Any, ...]]
@@ -193,6 +193,12 @@ def make_live_forward(
 
 
 # ----------------------------------------------------------------------------------- graph path
+def replay_passes_args(binds_inputs: bool, debug: bool) -> bool:
+    """Whether the graph path hands each replay its arguments: a bound graph reads what it captured, so
+    they matter only to a non-binding executor and to the debug address check."""
+    return not binds_inputs or debug
+
+
 def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool) -> tuple[str, dict[str, Any]]:
     """The generated source of ``program``'s graph path for one bucket and the globals it reads.
 

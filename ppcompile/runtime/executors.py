@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from ppcompile.runtime.program import strides_match
+
 __all__ = [
     "EXECUTORS",
     "CudaGraphExecutor",
@@ -149,7 +151,7 @@ def _leading_views(
                 if n != out.shape[d]:
                     out = out.narrow(d, 0, n)
             want = strides[i] if strides is not None and i < len(strides) else None
-            if want is not None and not all(a == e or n < 2 for a, e, n in zip(out.stride(), want, shape)):
+            if want is not None and not strides_match(out.stride(), want, shape):
                 return None
             views.append(out)
         elif isinstance(shape, int) and not isinstance(out, torch.Tensor):

@@ -25,11 +25,11 @@ from typing import Any, NoReturn
 import sympy
 import torch
 
-from ppcompile.runtime.program import Program, TensorLayout
+from ppcompile.runtime.program import Program, TensorLayout, strides_match
 from ppcompile.runtime.validation import GUARD_HINT, InputMismatchError
 
 __all__ = ["CheckedValue", "LayoutMismatchError", "LiveLayouts", "check_static_layout", "checked_values",
-           "static_layouts", "traced_strides"]
+           "static_layouts"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class CheckedValue:
     """A tensor that graph segments read at the live size: a stage input or a break output."""
 
     slot: int
-    what: str  # for messages: "input 'x'" or "break segment submod_1 (output 0)"
+    what: str  # for messages: "input 'x'" or "the output 0 of break segment submod_1"
     is_input: bool
     layout: TensorLayout
 
@@ -71,9 +71,9 @@ class LiveLayouts:
         """The expected layout of each checked value for ``env`` (memoised by the env's values)."""
         key = tuple(env.values())
         hit = self._memo.get(key)
-        if hit is None:
-            hit = tuple((tuple(f(env) for f in c.layout.sizes), tuple(f(env) for f in c.layout.strides),
-                         c.layout.dtype, c.layout.device) for c in self.checked)
+        if hit is None:  # every checked layout is computable for the call's env (checked_values)
+            hit = tuple((*c.layout.at(env), c.layout.dtype, c.layout.device)  # type: ignore[misc]
+                        for c in self.checked)
             if len(self._memo) < 4096:
                 self._memo[key] = hit
         return hit
@@ -88,7 +88,7 @@ class LiveLayouts:
                                 ("shape", list(shape), list(value.shape))):
             if want != got:
                 self._fail(c, f"{what} {want}", f"{what} {got}")
-        if all(s == e or n < 2 for s, e, n in zip(value.stride(), stride, shape)):
+        if strides_match(value.stride(), stride, shape):
             return value  # only strides of size-1 dims differ: they address no other element
         if i not in self._warned:
             self._warned.add(i)
@@ -110,56 +110,44 @@ class LiveLayouts:
             "implementation (torch.library.opcheck tests it)")
 
 
-def checked_values(
-    program: Program, input_slots: Iterable[int], known: Collection[sympy.Symbol]
-) -> list[CheckedValue]:
-    """The tensors a graph step reads at the live size that need a check: the given stage inputs and
-    every break output, each only if its sizes and strides are expressions of the ``known`` symbols (the
-    ones a call binds; Dynamo guards the rest)."""
-
-    def computable(layout: TensorLayout) -> bool:
-        return all(f.expr.free_symbols <= known for f in (*layout.sizes, *layout.strides))
-
-    known = frozenset(known)
-    graph_reads = {r.slot for st in program.steps if st.segment.is_graph for r in st.args if r.size is None}
-    checked: list[CheckedValue] = []
-    for slot in sorted(set(input_slots) & graph_reads):
-        named = program.input_layouts.get(slot)
-        if named is not None and computable(named[1]):
-            checked.append(CheckedValue(slot, f"input {named[0]!r}", True, named[1]))
+def _described_layouts(program: Program) -> dict[int, tuple[str, bool, TensorLayout]]:
+    """Each tensor input and break output by slot: what it is (for messages), whether it is an input,
+    and its traced layout."""
+    described = {slot: (f"input {name!r}", True, layout)
+                 for slot, (name, layout) in program.input_layouts.items()}
     for st in program.steps:
         if st.segment.is_graph:
             continue
         for i, slot in st.writes:
             layout = st.out_layouts[i] if i < len(st.out_layouts) else None
-            if slot in graph_reads and layout is not None and computable(layout):
-                checked.append(CheckedValue(slot, f"break segment {st.segment.name} (output {i})", False,
-                                            layout))
-    return checked
+            if layout is not None:
+                described[slot] = (f"the output {i} of break segment {st.segment.name}", False, layout)
+    return described
+
+
+def checked_values(
+    program: Program, input_slots: Iterable[int], known: Collection[sympy.Symbol]
+) -> list[CheckedValue]:
+    """The tensors a graph step reads at the live size that need a check: the given stage inputs and
+    every break output, each only if its sizes and strides are expressions of the ``known`` symbols (the
+    ones a call binds; Dynamo guards the rest). Inputs first, then break outputs in step order."""
+    known = frozenset(known)
+    inputs = frozenset(input_slots)
+    graph_reads = {r.slot for st in program.steps if st.segment.is_graph for r in st.args if r.size is None}
+    return [
+        CheckedValue(slot, what, is_input, layout)
+        for slot, (what, is_input, layout) in _described_layouts(program).items()
+        if slot in graph_reads and (slot in inputs or not is_input)
+        and all(f.expr.free_symbols <= known for f in (*layout.sizes, *layout.strides))
+    ]
 
 
 def static_layouts(program: Program) -> dict[int, tuple[str, TensorLayout]]:
     """Each static buffer's value (a lifted input or a bridged break output): what it is, for messages,
     and the layout it was traced with, which the graph segments reading its buffer were compiled for."""
-    named: dict[int, tuple[str, TensorLayout]] = {}
-    for slot in program.input_buffers:
-        if slot in program.input_layouts:
-            name, traced = program.input_layouts[slot]
-            named[slot] = (f"input {name!r}", traced)
-    for st in program.steps:
-        for i, slot in st.writes:
-            layout = st.out_layouts[i] if i < len(st.out_layouts) else None
-            if slot in program.bridge_buffers and layout is not None:
-                named[slot] = (f"the output {i} of break segment {st.segment.name}", layout)
-    return named
-
-
-def traced_strides(layout: TensorLayout, env: Mapping[sympy.Symbol, int]) -> tuple[int, ...] | None:
-    """``layout``'s strides for ``env``, or None when one names a symbol ``env`` does not bind."""
-    try:
-        return tuple(f(env) for f in layout.strides)
-    except (KeyError, TypeError, ValueError):
-        return None
+    buffered = program.input_buffers.keys() | program.bridge_buffers.keys()
+    return {slot: (what, layout) for slot, (what, _, layout) in _described_layouts(program).items()
+            if slot in buffered}
 
 
 def check_static_layout(what: str, layout: TensorLayout, view: torch.Tensor,
@@ -167,12 +155,11 @@ def check_static_layout(what: str, layout: TensorLayout, view: torch.Tensor,
     """Raises ``RuntimeError`` when the bucket view of a static buffer is not laid out as the graph
     segments reading it were compiled for (checked once per bucket, at capture). Inductor segments
     have no input asserts of their own, so without this they would read it with the wrong strides."""
-    try:
-        shape = tuple(f(env) for f in layout.sizes)
-        stride = tuple(f(env) for f in layout.strides)
-    except (KeyError, TypeError, ValueError):  # a size of a symbol no call binds: Dynamo guards it
+    traced = layout.at(env)
+    if traced is None:  # a size of a symbol no call binds: Dynamo guards it
         return
-    same_strides = all(a == e or n < 2 for a, e, n in zip(view.stride(), stride, shape))
+    shape, stride = traced
+    same_strides = strides_match(view.stride(), stride, shape)
     if tuple(view.shape) == shape and same_strides and view.dtype == layout.dtype:
         return
     raise RuntimeError(

@@ -21,7 +21,7 @@ from ppcompile.passes.context import PassContext
 from ppcompile.records import Segment, StaticBuffer
 from ppcompile.symbolic import SizeFn, example_value, size_expr
 
-__all__ = ["Program", "Ref", "Step", "TensorLayout", "build_program"]
+__all__ = ["Program", "Ref", "Step", "TensorLayout", "build_program", "strides_match"]
 
 SegmentFn = Callable[..., Sequence[Any]]
 
@@ -48,6 +48,19 @@ class TensorLayout:
         return TensorLayout(tuple(SizeFn(size_expr(d)) for d in value.shape),
                             tuple(SizeFn(size_expr(d)) for d in value.stride()), value.dtype, value.device)
 
+    def at(self, env: Mapping[sympy.Symbol, int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(shape, strides) for ``env``, or None when one names a symbol ``env`` does not bind."""
+        try:
+            return tuple(f(env) for f in self.sizes), tuple(f(env) for f in self.strides)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def strides_match(actual: Sequence[int], expected: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether ``actual`` strides address a ``shape`` tensor as ``expected`` do: strides of dims of size
+    0 or 1 address no other element, so they may differ (as in Inductor's own stride asserts)."""
+    return all(a == e or n < 2 for a, e, n in zip(actual, expected, shape))
+
 
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -71,13 +84,8 @@ class Step:
 
     def output_strides(self, env: Mapping[sympy.Symbol, int]) -> list[tuple[int, ...] | None]:
         """Each tensor output's traced strides for ``env`` (None for a number, or if unknown)."""
-        strides: list[tuple[int, ...] | None] = []
-        for layout in self.out_layouts:
-            try:
-                strides.append(None if layout is None else tuple(f(env) for f in layout.strides))
-            except (KeyError, TypeError, ValueError):  # a symbol the env does not bind
-                strides.append(None)
-        return strides
+        at = [None if layout is None else layout.at(env) for layout in self.out_layouts]
+        return [None if shape_strides is None else shape_strides[1] for shape_strides in at]
 
     def output_shapes(self, env: Mapping[sympy.Symbol, int]) -> list[tuple[int, ...] | int | None]:
         """What each output is for ``env``: a tensor's shape, a number's value, None if unknown."""

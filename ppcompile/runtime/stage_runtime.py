@@ -38,14 +38,9 @@ from ppcompile.counters import counters
 from ppcompile.passes.context import PassContext
 from ppcompile.records import InputKind
 from ppcompile.runtime.buckets import BucketPlan
-from ppcompile.runtime.codegen import GraphForward, make_graph_forward, make_live_forward
+from ppcompile.runtime.codegen import GraphForward, make_graph_forward, make_live_forward, replay_passes_args
 from ppcompile.runtime.executors import GraphExecutor, make_executor
-from ppcompile.runtime.layout_checks import (
-    check_static_layout,
-    checked_values,
-    static_layouts,
-    traced_strides,
-)
+from ppcompile.runtime.layout_checks import check_static_layout, checked_values, static_layouts
 from ppcompile.runtime.program import Program, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import allocate, narrow_to
@@ -275,8 +270,7 @@ class StageRuntime:
         static = state.tables[b]
         if not executor.binds_inputs:
             static = list(static)
-        # A bound graph reads what it captured: its arguments matter only to the debug address check.
-        pass_args = not executor.binds_inputs or self.config.debug
+        pass_args = replay_passes_args(executor.binds_inputs, self.config.debug)
         forward = self._graph_forwards.get((executor.binds_inputs, pass_args))
         if forward is None:
             forward = make_graph_forward(program, self.name, executor.binds_inputs, pass_args)
@@ -383,8 +377,9 @@ class StageRuntime:
 
     def _allocate(self, slot: int, spec: Any, env_max: dict[sympy.Symbol, int]) -> torch.Tensor:
         """The static buffer of ``slot``, in its traced dim order (``static_buffers.allocate``)."""
-        traced = self._static_layouts.get(slot)
-        return allocate(spec, traced_strides(traced[1], env_max) if traced is not None else None)
+        described = self._static_layouts.get(slot)
+        traced = described[1].at(env_max) if described is not None else None
+        return allocate(spec, traced[1] if traced is not None else None)
 
     def _capture(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> _InstanceState:
         """Allocates static buffers and captures every (graph segment, bucket), largest bucket first."""
