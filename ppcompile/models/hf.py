@@ -1,7 +1,8 @@
 """Hugging Face ``transformers`` causal LMs as packed-token PP stages.
 
 ``HFStage(model, pp_rank, pp_size)`` runs layers ``[start, end)`` of a decoder-only ``transformers`` model
-(Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Mixtral, Qwen3-MoE, ...) with the house stage contract::
+(Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS, the hybrid Qwen3-Next,
+...) with the house stage contract::
 
     forward(input_ids [T] | None, positions [T], pp_proxy_tensors) -> PPProxyTensors | logits [T, vocab]
 
@@ -69,12 +70,29 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe": ("Qwen2MoeConfig", {**_MOE_SHAPE, "shared_expert_intermediate_size": 64}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", _MOE_SHAPE),
+    "deepseek_v3": ("DeepseekV3Config", {
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0, "kv_lora_rank": 32, "q_lora_rank": 32,
+        "num_key_value_heads": 4, "head_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+    }),
+    # transformers has no SDPA path for GPT-OSS (attention sinks): its attention is written in plain ops.
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                                 "attn_implementation": "eager"}),
+    # Hybrid: gated DeltaNet linear attention and full attention layers, alternating.
+    "qwen3_next": ("Qwen3NextConfig", {
+        **_MOE_SHAPE, "shared_expert_intermediate_size": 64, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4, "layer_types": ("linear_attention", "full_attention"),
+    }),
 }
-"""Family -> (``transformers`` config class name, fields on top of the shared tiny shape)."""
+"""Family -> (``transformers`` config class name, fields on top of the shared tiny shape). A
+``layer_types`` tuple is a pattern, repeated over the layers."""
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
-    """A small config of ``family`` (a key of ``TINY_FAMILIES``) with ``attn_implementation="sdpa"``.
+    """A small config of ``family`` (a key of ``TINY_FAMILIES``) with ``attn_implementation="sdpa"`` (where
+    transformers has it).
 
     ``overrides`` set any config field (``num_hidden_layers=2``, ``sliding_window=8``, ...).
     """
@@ -88,7 +106,11 @@ def tiny_config(family: str, **overrides: Any) -> Any:
             f"tiny_config: transformers {transformers.__version__} has no {class_name} (family {family!r}); "
             "pick another family or upgrade transformers"
         )
-    return config_cls(**{**_TINY_SHAPE, **extra, "attn_implementation": "sdpa", **overrides})
+    fields = {**_TINY_SHAPE, "attn_implementation": "sdpa", **extra, **overrides}
+    if isinstance(fields.get("layer_types"), tuple):
+        pattern = fields["layer_types"]
+        fields["layer_types"] = [pattern[i % len(pattern)] for i in range(fields["num_hidden_layers"])]
+    return config_cls(**fields)
 
 
 def tiny_causal_lm(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
@@ -106,6 +128,8 @@ _MASK_BUILDERS: dict[str, Callable[..., Any]] = {
     "full_attention": masking_utils.create_causal_mask,
     "sliding_attention": masking_utils.create_sliding_window_causal_mask,
 }
+if hasattr(masking_utils, "create_recurrent_attention_mask"):  # transformers >= 5.x with hybrid models
+    _MASK_BUILDERS["linear_attention"] = masking_utils.create_recurrent_attention_mask
 
 
 _BUILDER_PARAMS = {kind: frozenset(inspect.signature(f).parameters) for kind, f in _MASK_BUILDERS.items()}
