@@ -10,7 +10,7 @@ import torch
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 
-__all__ = ["SizeFn", "example_value", "shape_exprs", "size_expr"]
+__all__ = ["SizeFn", "example_value", "first_decrease", "shape_exprs", "size_expr", "size_value_expr"]
 
 
 def example_value(node: torch.fx.Node) -> Any:
@@ -30,6 +30,17 @@ def size_expr(size: int | torch.SymInt) -> sympy.Expr:
     return sympy.Integer(int(size))
 
 
+def size_value_expr(value: Any) -> sympy.Basic | None:
+    """A traced number as an expression of the symbols, or None: a ``SymInt`` gives its expression, a
+    ``torch.Size`` holding a ``SymInt`` (``x.shape``) a ``sympy.Tuple`` of them. Such values are
+    evaluated where they are read, at the live count or the bucket, never carried across."""
+    if isinstance(value, torch.SymInt):
+        return size_expr(value)
+    if isinstance(value, torch.Size) and any(isinstance(d, torch.SymInt) for d in value):
+        return sympy.Tuple(*(size_expr(d) for d in value))
+    return None
+
+
 def shape_exprs(value: torch.Tensor) -> tuple[sympy.Expr, ...]:
     """The shape of a (fake) tensor as sympy expressions."""
     return tuple(size_expr(s) for s in value.shape)
@@ -39,17 +50,19 @@ class SizeFn:
     """Evaluates a size expression for concrete symbol values, quickly.
 
     The common forms (a constant, the symbol itself, ``a*s + c``) are evaluated arithmetically; anything
-    else (``s // 2``, ``Max(...)``) goes through torch's sympy interpreter and is memoised.
+    else (``s // 2``, ``Max(...)``) goes through torch's sympy interpreter and is memoised. A
+    ``sympy.Tuple`` (a traced ``torch.Size``) evaluates to a ``torch.Size``.
     """
 
-    __slots__ = ("_cache", "_const", "_expr", "_linear", "_symbols")
+    __slots__ = ("_cache", "_const", "_expr", "_items", "_linear", "_symbols")
 
-    def __init__(self, expr: sympy.Expr) -> None:
+    def __init__(self, expr: sympy.Basic) -> None:
         self._expr = expr
         self._symbols = tuple(sorted(expr.free_symbols, key=str))
-        self._const: int | None = int(expr) if not self._symbols else None
+        self._items = tuple(SizeFn(e) for e in expr) if isinstance(expr, sympy.Tuple) else None
+        self._const: int | None = int(expr) if not self._symbols and self._items is None else None
         self._linear: tuple[sympy.Symbol, int, int] | None = None
-        if len(self._symbols) == 1:
+        if len(self._symbols) == 1 and self._items is None:
             (s,) = self._symbols
             poly = sympy.Poly(expr, s) if expr.is_polynomial(s) else None
             if poly is not None and poly.degree() == 1 and all(x.is_integer for x in poly.all_coeffs()):
@@ -58,10 +71,12 @@ class SizeFn:
         self._cache: dict[tuple[int, ...], int] = {}
 
     @property
-    def expr(self) -> sympy.Expr:
+    def expr(self) -> sympy.Basic:
         return self._expr
 
-    def __call__(self, env: Mapping[sympy.Symbol, int]) -> int:
+    def __call__(self, env: Mapping[sympy.Symbol, int]) -> Any:
+        if self._items is not None:
+            return torch.Size([f(env) for f in self._items])
         if self._const is not None:
             return self._const
         if self._linear is not None:
@@ -77,3 +92,27 @@ class SizeFn:
 
     def __repr__(self) -> str:
         return f"SizeFn({self._expr})"
+
+
+def first_decrease(expr: sympy.Expr, symbol: sympy.Symbol, upto: int) -> int | None:
+    """The first ``n`` in ``1..upto-1`` where ``expr`` at ``n + 1`` is below ``expr`` at ``n``, or None
+    when ``expr`` never decreases there. Linear forms with a non-negative slope are decided at once;
+    anything else (``Mod``, ``FloorDiv``, ...) is evaluated at every ``n`` where it is defined."""
+    if expr.free_symbols != {symbol}:
+        return None  # a constant, or other symbols: not a size of the token count alone
+    if expr.is_polynomial(symbol):
+        poly = sympy.Poly(expr, symbol)
+        if poly.degree() <= 1 and poly.all_coeffs()[0] >= 0:
+            return None
+    fn = SizeFn(expr)
+    previous: int | None = None
+    for n in range(1, upto + 1):
+        try:
+            value = fn({symbol: n})
+        except (ArithmeticError, ValueError, TypeError):  # outside the range the graph was traced for
+            previous = None
+            continue
+        if previous is not None and value < previous:
+            return n - 1
+        previous = value
+    return None

@@ -1,11 +1,12 @@
-"""Tests of ``SizeFn``: fast evaluation of size expressions for a token count."""
+"""Tests of ``SizeFn`` (fast evaluation of size expressions for a token count) and ``first_decrease``."""
 
 from __future__ import annotations
 
 import sympy
-from torch.utils._sympy.functions import FloorDiv
+import torch
+from torch.utils._sympy.functions import FloorDiv, Mod
 
-from ppcompile.symbolic import SizeFn, size_expr
+from ppcompile.symbolic import SizeFn, first_decrease, size_expr
 
 S0 = sympy.Symbol("s0", integer=True, positive=True)
 S1 = sympy.Symbol("s1", integer=True, positive=True)
@@ -58,3 +59,20 @@ def test_size_expr_of_an_int() -> None:
 
 def test_repr() -> None:
     assert repr(SizeFn(S0 + 1)) == "SizeFn(s0 + 1)"
+
+
+def test_a_traced_shape_evaluates_to_a_torch_size() -> None:
+    s = S0
+    fn = SizeFn(sympy.Tuple(1, s, 2 * s))
+    assert fn({s: 5}) == torch.Size([1, 5, 10]) and isinstance(fn({s: 5}), torch.Size)
+    assert fn.expr.free_symbols == {s}
+
+
+def test_first_decrease_finds_pad_counts_and_accepts_growing_sizes() -> None:
+    s = S0
+    pad = Mod(16 - Mod(s, 16), 16)
+    assert first_decrease(pad, s, 64) == 1  # 15 pad rows at 1 token, 14 at 2
+    assert first_decrease(s + pad, s, 64) is None  # rounded up to a multiple of 16: never shrinks
+    assert first_decrease(FloorDiv(s, 4) + 3 * s, s, 64) is None
+    assert first_decrease(sympy.Integer(7), s, 64) is None
+    assert first_decrease(64 - s, s, 64) == 1

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import logging
 
+import sympy
 import torch
 
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.op_matching import OpMatcher, always_split_ops, resolve_op
 from ppcompile.passes.token_locality import is_registered_token_local, rule_for, written_input
+from ppcompile.symbolic import SizeFn, first_decrease
 
 __all__ = ["PaddingSafetyError", "check_padding_safety"]
 
@@ -56,6 +58,27 @@ def _touches_tokens(node: torch.fx.Node) -> bool:
     return any(isinstance(a, torch.fx.Node) and a.meta.get("pp_token_dims") for a in args)
 
 
+def shrinking_token_size(
+    node: torch.fx.Node, token: sympy.Symbol | None, cap: int, memo: dict[sympy.Expr, int | None]
+) -> str | None:
+    """Why a graph cannot hold ``node``'s values, if a token-dim size of its value or of a tensor it
+    reads decreases somewhere as the token count grows (a pad count ``(64 - n % 64) % 64``): a bucket
+    ``b > n`` would then hold fewer rows than the live count ``n`` has."""
+    if token is None:
+        return None
+    nodes = [node, *(a for a in node.all_input_nodes if a.meta.get("pp_token_dims"))]
+    for value in nodes:
+        for _, expr in value.meta.get("pp_token_dims", ()):
+            if expr not in memo:
+                memo[expr] = first_decrease(expr, token, cap)
+            n = memo[expr]
+            if n is not None:
+                rows = SizeFn(expr)
+                return (f"has a token-dim size {expr} that shrinks as the token count grows ({n} tokens: "
+                        f"{rows({token: n})} rows, {n + 1} tokens: {rows({token: n + 1})} rows)")
+    return None
+
+
 def source_line(node: torch.fx.Node) -> str:
     """The innermost user frame of the node's stack trace (``File "...", line N, in f``), if any."""
     trace = node.meta.get("stack_trace") or ""
@@ -69,17 +92,24 @@ def check_padding_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
         return PassResult(gm, modified=False)
     breaks = OpMatcher([*always_split_ops(), *ctx.config.split_ops])
     extra_safe = [resolve_op(op) for op in ctx.config.token_local_ops]
+    cap = max(ctx.config.capture_sizes or (ctx.config.max_capture_tokens,))
+    decreases: dict[sympy.Expr, int | None] = {}
     unsafe = 0
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or breaks.matches(node):
             continue
         if not _touches_tokens(node):
             continue
-        if node.op == "call_function" and is_registered_token_local(node.target, extra_safe):
+        shrinking = shrinking_token_size(node, ctx.token_symbol, cap, decreases)
+        if shrinking is None and node.op == "call_function" and is_registered_token_local(
+            node.target, extra_safe
+        ):
             continue
         written = written_input(node)
         rule = rule_for(node)
-        if written is not None:
+        if shrinking is not None:
+            reason = f"{_op_label(node)} {shrinking}"
+        elif written is not None:
             reason = (f"{_op_label(node)} writes in place into graph input {written.name}: a replay would "
                       "write padded rows too (or write the static copy instead of the caller's tensor)")
         elif rule is None:

@@ -2,7 +2,8 @@
 
 The token count is the symbol that Dynamo gave the leading dim of the stage's live tensor inputs
 (``input_ids``, ``positions``, the PP proxies). Every node whose traced shape mentions that symbol gets
-``node.meta["pp_token_dims"] = ((dim, size_expr), ...)``; SymInt nodes get ``meta["pp_size_expr"]``.
+``node.meta["pp_token_dims"] = ((dim, size_expr), ...)``; numbers (a ``SymInt``, a ``torch.Size``
+holding one) get ``meta["pp_size_expr"]``.
 Sizes are sympy expressions after the ShapeEnv's replacements, so an output of size ``s0 // 2`` is
 recorded as ``FloorDiv(s0, 2)`` and later trims to ``n // 2``.
 
@@ -34,7 +35,7 @@ import torch
 
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
-from ppcompile.symbolic import example_value, shape_exprs, size_expr
+from ppcompile.symbolic import example_value, shape_exprs, size_value_expr
 
 __all__ = ["classify_input", "find_token_dims"]
 
@@ -114,8 +115,7 @@ def find_token_dims(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             node.meta["pp_token_dims"] = tuple((d, e) for d, e in enumerate(exprs) if token in e.free_symbols)
             for e in exprs:
                 others.update(e.free_symbols - {token})
-        elif isinstance(value, torch.SymInt):
-            expr = size_expr(value)
+        elif (expr := size_value_expr(value)) is not None:
             node.meta["pp_size_expr"] = expr
             others.update(expr.free_symbols - {token})
     for i, node in enumerate(placeholders):

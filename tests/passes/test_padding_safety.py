@@ -3,13 +3,14 @@ token-wise ops stay graphed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
 
 import ppcompile
-from ppcompile.passes import manager
+from ppcompile.passes import check_padding_safety, manager
 from ppcompile.passes.check_padding_safety import PaddingSafetyError
 from ppcompile.records import BreakKind
 
@@ -214,3 +215,71 @@ def test_in_place_writes_into_inputs_run_eagerly(how: str) -> None:
             torch.testing.assert_close(x_graphed, x_eager)  # the caller's tensor mutated as in eager
     kinds = [r.kind for r in ppcompile.stage_runtimes()[-1].break_reasons]
     assert BreakKind.UNSAFE_OP in kinds
+
+
+class ChunkPadder(torch.nn.Module):
+    """Pads the tokens up to a multiple of 16 the way chunked linear attention does: the pad count
+    ``(16 - n % 16) % 16`` shrinks as ``n`` grows, and a pad tensor of that many rows crosses segments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pad_rows = (16 - x.shape[0] % 16) % 16
+        pad = self.lin(torch.ones(pad_rows, H))
+        chunked = torch.cat([self.lin(x), pad]).view(-1, 16, H).cumsum(1).view(-1, H)
+        return self.lin(chunked[: x.shape[0]]), self.lin(pad).sum(0)
+
+
+def _compile_padder() -> tuple[ChunkPadder, Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+    torch._dynamo.reset()
+    stage = ChunkPadder().eval()
+    return stage, torch.compile(stage, backend="pp_breakable", options={"capture_sizes": [4, 8, 16, 32],
+                                                                         "graph_mode": "emulate"})
+
+
+def _run_padder(stage: ChunkPadder, compiled: Callable[..., Any], counts: Sequence[int]) -> None:
+    with torch.no_grad():
+        for n in counts:
+            x = torch.randn(n, H)
+            ppcompile.mark_token_dynamic(x)
+            for got, want in zip(compiled(x), stage(x)):
+                torch.testing.assert_close(got, want, msg=lambda m, n=n: f"{n} tokens: {m}")
+
+
+def test_token_sizes_that_shrink_as_tokens_grow_stay_off_graphs() -> None:
+    """A bucket ``b > n`` holds ``(16 - b % 16) % 16`` pad rows, fewer than the live count's: every node
+    that makes or reads such a tensor runs eagerly, and every count equals eager."""
+    stage, compiled = _compile_padder()
+    _run_padder(stage, compiled, [8, 5, 16, 17, 31, 32, 3, 40])
+    runtime = ppcompile.stage_runtimes()[-1]
+    shrinking = [r for r in runtime.break_reasons if "shrinks as the token count grows" in r.detail]
+    assert shrinking, runtime.describe()
+    assert any(s.is_graph for s in runtime.segments), runtime.describe()
+
+
+def test_without_the_shrink_check_a_bucket_cannot_hold_the_live_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check has teeth: without it the pad tensor is bucket-sized in a graph and narrowing it to
+    the live count's larger pad fails at run time."""
+    monkeypatch.setattr(check_padding_safety, "first_decrease", lambda *args: None)
+    stage, compiled = _compile_padder()
+    with pytest.raises(RuntimeError, match="exceeds dimension size"):
+        _run_padder(stage, compiled, [8, 5])
+
+
+def test_a_shape_read_by_a_break_is_the_live_shape() -> None:
+    """``shape = h.shape`` is computed in a graph segment at the bucket size; the break that reshapes
+    with it (a view that folds tokens, as Qwen3-Next's gated delta rule does) must get the live shape."""
+
+    def fold_and_back(h: torch.Tensor) -> torch.Tensor:
+        shape = h.shape
+        return h.reshape(-1).cumsum(0).reshape(shape)
+
+    stage, compiled = _compile(fold_and_back)
+    with torch.no_grad():
+        for n in NON_BUCKET_COUNTS:
+            x = torch.randn(n, H)
+            with ppcompile.counters.expect(replays=1):
+                torch.testing.assert_close(compiled(x), stage(x))
