@@ -18,6 +18,7 @@ from ppcompile.runtime.executors import ReplayAddressError
 from ppcompile.runtime.stage_runtime import ConcurrentCallError
 from ppcompile.runtime.stale_outputs import StaleOutputError
 from ppcompile.runtime.validation import InputMismatchError
+from ppcompile.token_local import token_local
 
 __all__ = [
     "ConcurrentCallError",
@@ -33,6 +34,7 @@ __all__ = [
     "register_attention_op",
     "register_token_local_op",
     "stage_runtimes",
+    "token_local",
 ]
 __version__ = "0.1.0"
 

@@ -56,6 +56,7 @@ class Segment:
     num_nodes: int
     reason: BreakReason | None = None
     layer_ids: tuple[int, ...] = ()
+    token_local_regions: tuple[str, ...] = ()  # declared token-local regions whose ops it holds
 
     @property
     def is_graph(self) -> bool:

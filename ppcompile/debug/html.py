@@ -72,6 +72,8 @@ function showSegment(i) {
   document.querySelectorAll('.seg').forEach(e => e.classList.toggle('sel', +e.dataset.index === i));
   let h = '<b>' + esc(s.name) + '</b> &middot; ' + esc(s.kind) + ' segment &middot; ' + s.nodes + ' nodes';
   if (s.layer_ids.length) h += ' &middot; global layers ' + esc(s.layer_ids.join(', '));
+  if ((s.token_local_regions || []).length)
+    h += '<div>Declared token-local: ' + esc(s.token_local_regions.join(', ')) + '</div>';
   const r = s.break_reason;
   if (r) h += '<div>Break: <b>' + esc(r.kind) + '</b> at <code>' + esc(r.op) + '</code>' +
     (r.detail ? ' &mdash; ' + esc(r.detail) : '') + '</div>' +
@@ -127,6 +129,8 @@ def _tooltip(seg: dict[str, Any]) -> str:
     lines = [f"{seg['name']}: {seg['kind']} segment, {seg['nodes']} nodes"]
     if seg["layer_ids"]:
         lines.append("global layers " + ", ".join(map(str, seg["layer_ids"])))
+    if seg.get("token_local_regions"):
+        lines.append("declared token-local: " + ", ".join(seg["token_local_regions"]))
     r = seg.get("break_reason")
     if r:
         lines.append(f"break: {r['kind']} at {r['op']}" + (f" ({r['detail']})" if r["detail"] else ""))

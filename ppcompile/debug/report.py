@@ -267,6 +267,7 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageI
             "kind": seg.kind,
             "nodes": seg.num_nodes,
             "layer_ids": list(seg.layer_ids),
+            "token_local_regions": list(seg.token_local_regions),
             "break_reason": None if reason is None else {
                 "kind": reason.kind.value,
                 "op": reason.op,
@@ -322,6 +323,8 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
         "eager_reason": runtime.eager_reason,
         "token_symbol": None if runtime.token_symbol is None else str(runtime.token_symbol),
         "layer_ids": list(runtime.layer_ids),
+        "token_local_regions": list(dict.fromkeys(
+            r for s in runtime.segments for r in s.token_local_regions)),
         "config": _config(runtime),
         "segments": _segments(runtime, names, info),
         "static_buffers": buffers,

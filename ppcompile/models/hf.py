@@ -35,6 +35,7 @@ from torch import nn
 from ppcompile.models.layers import PPMissingLayer, nested_region
 from ppcompile.models.stage import get_pp_indices
 from ppcompile.proxy import PPProxyTensors
+from ppcompile.token_local import token_local
 
 try:
     import transformers
@@ -45,7 +46,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "pip install 'ppcompile[hf]' (or pip install transformers)"
     ) from e
 
-__all__ = ["TINY_FAMILIES", "HFStage", "make_hf_stages", "tiny_causal_lm", "tiny_config"]
+__all__ = ["TINY_FAMILIES", "TOKEN_LOCAL_BLOCKS", "HFStage", "make_hf_stages", "tiny_causal_lm",
+           "tiny_config"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,14 @@ def tiny_causal_lm(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
     return model.eval().requires_grad_(False)
 
 
+# Sparse-MoE blocks that keep to the ``ppcompile.token_local`` contract in inference: top-k routing per
+# token, no expert capacity, no statistics kept in forward (Mixtral's router jitter runs in training only).
+TOKEN_LOCAL_BLOCKS = frozenset({
+    "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE",
+    "GptOssMLP", "Qwen3NextSparseMoeBlock",
+})
+
+
 # ------------------------------------------------------------------------------------------ masks
 _MASK_BUILDERS: dict[str, Callable[..., Any]] = {
     "full_attention": masking_utils.create_causal_mask,
@@ -184,6 +194,8 @@ class HFStage(nn.Module):
     forward (see the module docstring). ``compile_regions=True`` calls each decoder layer as a
     ``torch.compiler.nested_compile_region`` (whole layers, attention included: without a KV cache an HF
     layer holds nothing that differs per layer), so Dynamo traces one layer, not all of them.
+    ``token_local_moe=True`` declares the layers' sparse-MoE blocks of the known families
+    (``TOKEN_LOCAL_BLOCKS``) token-local (``ppcompile.token_local``), so their routing stays in graphs.
     """
 
     def __init__(
@@ -194,6 +206,7 @@ class HFStage(nn.Module):
         layer_range: tuple[int, int] | None = None,
         varlen: bool = False,
         compile_regions: bool = False,
+        token_local_moe: bool = True,
     ) -> None:
         super().__init__()
         self.compile_regions = compile_regions
@@ -222,6 +235,11 @@ class HFStage(nn.Module):
         self.layers = nn.ModuleList(
             base.layers[i] if start <= i < end else PPMissingLayer() for i in range(num_layers)
         )
+        if token_local_moe:
+            for i in range(start, end):
+                for block in base.layers[i].modules():
+                    if type(block).__name__ in TOKEN_LOCAL_BLOCKS:
+                        token_local(block)
         self.rotary_emb: nn.Module = base.rotary_emb
         self.norm: nn.Module | None = base.norm if is_last else None
         head: Any = model.lm_head
@@ -279,8 +297,10 @@ _layer_region = nested_region(_run_layer)
 
 
 def make_hf_stages(
-    model: nn.Module, pp_size: int, varlen: bool = False, compile_regions: bool = False
+    model: nn.Module, pp_size: int, varlen: bool = False, compile_regions: bool = False,
+    token_local_moe: bool = True,
 ) -> list[HFStage]:
     """All ``pp_size`` stages of ``model``, split by ``get_pp_indices`` (sharing ``model``'s modules)."""
-    return [HFStage(model, rank, pp_size, varlen=varlen, compile_regions=compile_regions)
+    return [HFStage(model, rank, pp_size, varlen=varlen, compile_regions=compile_regions,
+                    token_local_moe=token_local_moe)
             for rank in range(pp_size)]

@@ -6,9 +6,11 @@ out in plain ops, a matmul contracting over tokens, an index or gather that addr
 ``view`` that folds tokens into another dim, an in-place write into a graph input (a KV cache written
 by slot indices would receive padded rows). For every node that touches a token dim this pass applies
 the op's rule (``token_locality.RULES``); a node that fails, or whose op has no rule and is not
-registered token-local, gets ``meta["pp_unsafe"]`` with the reason. ``split_at_breaks`` then makes it a
-break that runs eagerly on live rows, or, with ``on_unsafe="error"``, compilation fails naming the op,
-its source line and the reason.
+registered token-local, gets ``meta["pp_unsafe"]`` with the reason. Nodes of a region declared
+token-local (``find_token_local_regions``) skip the op rules. Whatever its op, a node is unsafe when a
+token-dim size it makes or reads shrinks as the token count grows, or when it writes into a graph input.
+``split_at_breaks`` then makes it a break that runs eagerly on live rows, or, with
+``on_unsafe="error"``, compilation fails naming the op, its source line and the reason.
 
 Before (``s0`` tokens)::
 
@@ -101,11 +103,12 @@ def check_padding_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
         if not _touches_tokens(node):
             continue
         shrinking = shrinking_token_size(node, ctx.token_symbol, cap, decreases)
-        if shrinking is None and node.op == "call_function" and is_registered_token_local(
-            node.target, extra_safe
-        ):
-            continue
         written = written_input(node)
+        declared = "pp_token_local" in node.meta or (
+            node.op == "call_function" and is_registered_token_local(node.target, extra_safe)
+        )
+        if shrinking is None and written is None and declared:
+            continue
         rule = rule_for(node)
         if shrinking is not None:
             reason = f"{_op_label(node)} {shrinking}"

@@ -44,6 +44,7 @@ class PassContext:
     """Facts established by the passes, in the order they run.
 
     ``find_token_dims`` fills ``token_symbol``, ``input_kinds`` and ``token_input``;
+    ``find_token_local_regions`` fills ``token_local_regions``;
     ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``split_at_breaks`` fills
     ``segments``; ``lift_static_inputs`` fills ``static_inputs`` and ``bridges``;
     ``plan_output_trim`` fills ``trims``.
@@ -57,6 +58,7 @@ class PassContext:
     token_input: tuple[int, int] | None = None  # (input index, dim) that carries the token count
     symint_inputs: dict[int, sympy.Expr] = dataclasses.field(default_factory=dict)
     other_symbols: frozenset[sympy.Symbol] = frozenset()
+    token_local_regions: tuple[str, ...] = ()
     layer_ids: tuple[int, ...] = ()
     eligible: bool = True
     ineligible_reason: str | None = None

@@ -116,31 +116,54 @@ def _extend(reason: BreakReason, node: torch.fx.Node) -> BreakReason:
     return reason if name in ops else dataclasses.replace(reason, op=f"{reason.op}, {name}")
 
 
-def _vmap_regions(
+def _region_spans(gm: torch.fx.GraphModule) -> list[tuple[list[torch.fx.Node], str]]:
+    """Spans of nodes that no segment boundary may cut, each with a description.
+
+    A ``torch.vmap`` region (Dynamo inlines one as ``_vmap_increment_nesting`` ...
+    ``_vmap_decrement_nesting``): a boundary inside would run copies at the wrong vmap level. A declared
+    token-local region (a run of nodes with one ``meta["pp_token_local"]``): its inner values (tokens
+    sorted by expert) are not token-major, so a live-size view of one would read the wrong rows.
+    Overlapping spans merge.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    intervals: list[tuple[int, int, str]] = []  # [first, last] node indices
+    depth, opened = 0, 0
+    for i, node in enumerate(nodes):
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name == "_vmap_increment_nesting":
+            opened = i if depth == 0 else opened
+            depth += 1
+        elif name == "_vmap_decrement_nesting" and depth:
+            depth -= 1
+            if depth == 0:
+                intervals.append((opened, i, "torch.vmap region"))
+        declared = node.meta.get("pp_token_local")
+        if declared is not None:
+            if intervals and intervals[-1][2] == declared and intervals[-1][1] == i - 1:
+                intervals[-1] = (intervals[-1][0], i, declared)
+            else:
+                intervals.append((i, i, declared))
+    merged: list[tuple[int, int, str]] = []
+    for first, last, what in sorted(intervals):
+        if merged and first <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(last, merged[-1][1]), merged[-1][2])
+        else:
+            merged.append((first, last, what))
+    return [(nodes[first:last + 1], what) for first, last, what in merged]
+
+
+def _atomic_regions(
     gm: torch.fx.GraphModule, reason_of: Callable[[torch.fx.Node], BreakReason | None]
 ) -> dict[torch.fx.Node, tuple[torch.fx.Node, BreakReason]]:
-    """Nodes of each ``torch.vmap`` region (Dynamo inlines one as ``_vmap_increment_nesting`` ...
-    ``_vmap_decrement_nesting``) that holds a break, mapped to the region's first node and one reason.
-
-    A region cannot be cut: a segment boundary inside it would run copies at the wrong vmap level. So
-    a region with any break becomes one break as a whole.
-    """
+    """Nodes of each uncuttable span (:func:`_region_spans`) that holds a break, mapped to the span's
+    first node and one reason: such a span becomes one break as a whole."""
     regions: dict[torch.fx.Node, tuple[torch.fx.Node, BreakReason]] = {}
-    members: list[torch.fx.Node] = []
-    depth = 0
-    for node in gm.graph.nodes:
-        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
-        depth += name == "_vmap_increment_nesting"
-        if depth:
-            members.append(node)
-        depth -= name == "_vmap_decrement_nesting"
-        if members and depth == 0:
-            found = [r for r in map(reason_of, members) if r is not None]
-            if found:
-                ops = ", ".join(dict.fromkeys(_op_name(n) for n in members if n.op.startswith("call_")))
-                reason = dataclasses.replace(found[0], op=f"torch.vmap region ({ops})")
-                regions.update({n: (members[0], reason) for n in members})
-            members = []
+    for members, what in _region_spans(gm):
+        found = [r for r in map(reason_of, members) if r is not None]
+        if found:
+            ops = ", ".join(dict.fromkeys(_op_name(n) for n in members if n.op.startswith("call_")))
+            reason = dataclasses.replace(found[0], op=f"{what} ({ops})")
+            regions.update({n: (members[0], reason) for n in members})
     return regions
 
 
@@ -176,11 +199,11 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     layer_ids: dict[int, tuple[int, ...]] = {}
     part = 0
     current_is_break = False
-    regions = _vmap_regions(gm, lambda n: _break_reason(n, ctx, attention, user, host))
+    regions = _atomic_regions(gm, lambda n: _break_reason(n, ctx, attention, user, host))
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node in regions:  # a vmap region with a break: one break partition for all of it
+        if node in regions:  # an uncuttable span with a break: one break partition for all of it
             start, region_reason = regions[node]
             if node is start:
                 part += 1
@@ -209,6 +232,10 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             current_is_break = True
         partition[node] = part
 
+    declared: dict[int, dict[str, None]] = {}
+    for node, index in partition.items():
+        if "pp_token_local" in node.meta:
+            declared.setdefault(index, {})[node.meta["pp_token_local"]] = None
     split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
     ctx.segments = []
     for node in split.graph.find_nodes(op="call_module"):
@@ -224,6 +251,7 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             num_nodes=sum(1 for n in submod.graph.nodes if n.op not in ("placeholder", "output")),
             reason=reason,
             layer_ids=layer_ids.get(index, ()),
+            token_local_regions=tuple(declared.get(index, ())),
         )
         node.meta["pp_segment"] = segment
         ctx.segments.append(segment)

@@ -263,7 +263,9 @@ RULES.update({name: reshape for name in (
 RULES.update({name: permute for name in ("transpose", "permute", "t", "movedim", "swapaxes", "swapdims")})
 RULES.update({name: factory for name in (
     "zeros", "ones", "empty", "full", "arange", "tensor", "scalar_tensor", "size", "dim", "stride",
-    "numel", "sym_size", "sym_numel", "sym_stride", "get_device")})
+    "numel", "sym_size", "sym_numel", "sym_stride", "get_device", "new_empty", "new_zeros", "new_ones",
+    "new_full", "empty_strided")})
+RULES["repeat_interleave"] = _dim_op(2, None, "repeats")  # repeat_interleave(x, repeats, dim)
 RULES.update({"linear": linear, "matmul": matmul, "mm": matmul, "bmm": matmul, "embedding": embedding,
               "getitem": getitem, "cat": cat, "concat": cat, "concatenate": cat, "stack": factory,
               "layer_norm": layer_norm, "rms_norm": layer_norm, "item": item})

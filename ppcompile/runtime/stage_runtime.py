@@ -454,5 +454,7 @@ class StageRuntime:
             lines.append(f"  always eager: {self.eager_reason}")
         for seg in self.segments:
             what = "graph" if seg.is_graph else f"break  {seg.reason}"
-            lines.append(f"  {seg.name:<12} {seg.num_nodes:>4} nodes  {what}")
+            declared = seg.token_local_regions
+            regions = f"  [token-local: {', '.join(declared)}]" if declared else ""
+            lines.append(f"  {seg.name:<12} {seg.num_nodes:>4} nodes  {what}{regions}")
         return "\n".join(lines)

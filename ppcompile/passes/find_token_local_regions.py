@@ -1,0 +1,84 @@
+"""Pass ``find_token_local_regions``: which nodes belong to a module declared token-local as a whole.
+
+``ppcompile.token_local(module or class)`` vouches that a module's output rows depend only on the same
+input rows (a sparse-MoE block). Its ops are found by the module stack Dynamo records on every node
+(``meta["nn_module_stack"]``: path -> class, outermost first) for declared classes, and by the
+annotation the declared instance's wrapped ``forward`` adds (``meta["custom"]["pp_token_local"]``).
+Each contiguous run of such nodes is one region, named by the declared module's path and class, and
+recorded as ``meta["pp_token_local"]``. ``check_padding_safety`` then skips the per-op rules inside a
+region; ``split_at_breaks`` never cuts one (its inner values, tokens sorted by expert, are not
+token-major, so a live-size view of them would be wrong): a region holding any break is one break.
+
+Before (an MoE block ``L['self'].moe`` of class ``Moe``, declared)::
+
+    linear = torch._C._nn.linear(l_x_, l_w_)               # stack: ...
+    sort = torch.sort(router_logits, 0)                     # stack: L['self'].moe (Moe)
+    scatter = torch.zeros_like(linear).index_add(0, ...)   # stack: L['self'].moe (Moe)
+    add = scatter + linear                                  # stack: ...
+
+After (same code)::
+
+    sort.meta["pp_token_local"] == scatter.meta["pp_token_local"] == "moe (mymodel.Moe)"
+    ctx.token_local_regions == ("moe (mymodel.Moe)",)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+
+from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.token_local import ANNOTATION_KEY, declared_classes
+
+__all__ = ["find_token_local_regions"]
+
+log = logging.getLogger(__name__)
+
+_ROOT = re.compile(r"^L\['[^']*'\]\.?")  # Dynamo's source of the compiled module itself
+
+
+def _class_label(cls: Any) -> str:
+    if isinstance(cls, type):
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return str(cls)  # some torch releases record the class by name
+
+
+def _readable(path: str) -> str:
+    """``L['self'].layers[0].mlp`` -> ``layers.0.mlp``; Dynamo's ``.forward.__self__`` hops dropped."""
+    path = _ROOT.sub("", path).replace(".forward.__self__", "")
+    return re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "") or "(stage)"
+
+
+def _region_of(node: torch.fx.Node, classes: set[str]) -> str | None:
+    """The name of the declared region ``node`` lies in: the outermost declared module on its stack."""
+    annotated = (node.meta.get("custom") or {}).get(ANNOTATION_KEY)
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    for entry in stack:
+        path, cls = entry if isinstance(entry, tuple) and len(entry) == 2 else (str(entry), None)
+        label = _class_label(cls)
+        if label in classes or label == annotated:
+            return f"{_readable(str(path))} ({label})"
+    if annotated is not None:
+        return f"({annotated})"  # no module stack recorded: the label alone
+    return None
+
+
+def find_token_local_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Marks the nodes of declared token-local modules ``meta["pp_token_local"]``; fills
+    ``ctx.token_local_regions``."""
+    classes = set(declared_classes().values())
+    names: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "get_attr"):
+            continue
+        name = _region_of(node, classes)
+        if name is not None:
+            node.meta["pp_token_local"] = name
+            names[name] = None
+    ctx.token_local_regions = tuple(names)
+    if names:
+        log.info("%s: token-local regions %s", ctx.graph_name, ", ".join(names))
+    return PassResult(gm, modified=False)

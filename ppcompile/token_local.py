@@ -1,0 +1,87 @@
+"""``ppcompile.token_local``: declare a module token-local as a whole.
+
+A module is *token-local* when row ``i`` of each of its outputs depends only on row ``i`` of its inputs
+along the token dim, however it computes that: a sparse-MoE block routes each token by its own row, sorts
+and groups tokens by expert, runs the experts and scatters the results back, and no token's output
+depends on another token's. Op by op, the sort, histogram and scatter mix rows (so ``check_padding_safety``
+would break at each); as a whole, the block does not. Declared, its ops stay in graphs.
+
+The contract (the declaring user vouches for it; ppcompile cannot check it):
+
+- **no expert capacity** (no token is dropped or re-routed because other tokens took the slots), and no
+  other cross-token state (load statistics, auxiliary losses, a running counter);
+- **padded rows are harmless inside**: they are routed and computed like live rows (finite: graphs read
+  zeroed padding) and only their own rows receive the results, which the runtime trims.
+
+A block that breaks the contract (capacity factors, EPLB statistics updated in forward, a kernel that
+rejects some expert ids) gives live tokens other results on the graph path than eagerly at token counts
+that are not a bucket.
+
+Declaring a class covers every instance (matched by the module stack Dynamo records on each node);
+declaring an instance wraps its ``forward`` so that Dynamo annotates the nodes it traces inside it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx.traceback
+from torch import nn
+
+__all__ = ["ANNOTATION_KEY", "declared_classes", "is_declared", "token_local", "undeclare"]
+
+ANNOTATION_KEY = "pp_token_local"
+"""Key of ``node.meta["custom"]`` holding the declared instance's label."""
+
+_CLASSES: dict[type, str] = {}
+
+
+def declared_classes() -> dict[type, str]:
+    """Module classes declared token-local (class -> label); a copy."""
+    return dict(_CLASSES)
+
+
+def _label(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def token_local(target: type[nn.Module] | nn.Module) -> Any:
+    """Declares a module class or instance token-local as a whole (see the module docstring); returns it,
+    so it also works as a class decorator. Declare before the first call of the compiled stage: Dynamo
+    reads the declaration while it traces."""
+    if isinstance(target, type):
+        if not issubclass(target, nn.Module):
+            raise TypeError(f"token_local: {target.__qualname__} is not an nn.Module subclass")
+        _CLASSES[target] = _label(target)
+        return target
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"token_local: expected an nn.Module class or instance, got {type(target).__name__}")
+    if getattr(target.forward, "__pp_token_local__", None) is None:
+        target.forward = _annotated(target.forward, _label(type(target)))
+    return target
+
+
+def _annotated(forward: Callable[..., Any], label: str) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.fx.traceback.annotate({ANNOTATION_KEY: label}):
+            return forward(*args, **kwargs)
+
+    wrapper.__pp_token_local__ = label  # type: ignore[attr-defined]
+    return wrapper
+
+
+def is_declared(module: nn.Module) -> bool:
+    """Whether ``module`` (an instance) is token-local by its class or by its own declaration."""
+    return type(module) in _CLASSES or getattr(module.forward, "__pp_token_local__", None) is not None
+
+
+def undeclare(target: type[nn.Module] | nn.Module) -> None:
+    """Takes a declaration back (tests; an engine that swaps a block's implementation)."""
+    if isinstance(target, type):
+        _CLASSES.pop(target, None)
+    elif getattr(target.forward, "__pp_token_local__", None) is not None:
+        del target.forward  # the instance attribute: the class's forward shows again
