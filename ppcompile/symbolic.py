@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import sympy
@@ -10,7 +12,8 @@ import torch
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 
-__all__ = ["SizeFn", "example_value", "first_decrease", "shape_exprs", "size_expr", "size_value_expr"]
+__all__ = ["SizeFn", "example_value", "first_decrease", "first_exceeding", "holds_at", "shape_exprs",
+           "shape_guards", "size_expr", "size_value_expr"]
 
 
 def example_value(node: torch.fx.Node) -> Any:
@@ -94,6 +97,19 @@ class SizeFn:
         return f"SizeFn({self._expr})"
 
 
+@contextlib.contextmanager
+def _quiet_interpreter() -> Iterator[None]:
+    """Sweeps evaluate expressions where they may be undefined (a division by a size that is 0 below the
+    range a graph was traced for); torch's interpreter logs a warning for each such point."""
+    logger = logging.getLogger(sympy_interp.__module__)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def first_decrease(expr: sympy.Expr, symbol: sympy.Symbol, upto: int) -> int | None:
     """The first ``n`` in ``1..upto-1`` where ``expr`` at ``n + 1`` is below ``expr`` at ``n``, or None
     when ``expr`` never decreases there. Linear forms with a non-negative slope are decided at once;
@@ -106,13 +122,56 @@ def first_decrease(expr: sympy.Expr, symbol: sympy.Symbol, upto: int) -> int | N
             return None
     fn = SizeFn(expr)
     previous: int | None = None
-    for n in range(1, upto + 1):
-        try:
-            value = fn({symbol: n})
-        except (ArithmeticError, ValueError, TypeError):  # outside the range the graph was traced for
-            previous = None
-            continue
-        if previous is not None and value < previous:
-            return n - 1
-        previous = value
+    with _quiet_interpreter():
+        for n in range(1, upto + 1):
+            try:
+                value = fn({symbol: n})
+            except (ArithmeticError, ValueError, TypeError):  # outside the range the graph was traced for
+                previous = None
+                continue
+            if previous is not None and value < previous:
+                return n - 1
+            previous = value
     return None
+
+
+def first_exceeding(a: sympy.Expr, b: sympy.Expr, symbol: sympy.Symbol, upto: int) -> int | None:
+    """The first ``n`` in ``1..upto`` where ``a`` exceeds ``b``, or None (equal expressions at once;
+    points where either is undefined are skipped)."""
+    if sympy.simplify(a - b) == 0:
+        return None
+    fa, fb = SizeFn(a), SizeFn(b)
+    with _quiet_interpreter():
+        for n in range(1, upto + 1):
+            try:
+                if fa({symbol: n}) > fb({symbol: n}):
+                    return n
+            except (ArithmeticError, ValueError, TypeError, KeyError):
+                continue
+    return None
+
+
+def shape_guards(size: torch.SymInt, symbol: sympy.Symbol) -> tuple[sympy.Basic, ...]:
+    """The guards Dynamo's ShapeEnv recorded while tracing that mention ``symbol`` and no other symbol
+    (``Eq(Mod(s0, 16), 15)``, ``s0 <= 64``): the graph was traced, and its sizes simplified, for token
+    counts where they hold. ``size`` is any SymInt of the graph (it carries the ShapeEnv)."""
+    shape_env = getattr(size.node, "shape_env", None)
+    guards = getattr(shape_env, "guards", None)
+    if guards is None:
+        raise RuntimeError(
+            f"ppcompile: torch {torch.__version__} has no ShapeEnv.guards on a SymInt's shape env; "
+            "ppcompile reads it to know which token counts a graph was traced for"
+        )
+    exprs = (getattr(g, "expr", g) for g in guards)
+    return tuple(e for e in exprs if isinstance(e, sympy.Basic) and e.free_symbols == {symbol})
+
+
+def holds_at(guards: tuple[sympy.Basic, ...], symbol: sympy.Symbol, value: int) -> bool:
+    """Whether every guard holds with ``symbol = value`` (a guard undefined there does not)."""
+    for guard in guards:
+        try:
+            if guard.xreplace({symbol: sympy.Integer(value)}) is not sympy.true:
+                return False
+        except (ArithmeticError, ValueError, TypeError):
+            return False
+    return True

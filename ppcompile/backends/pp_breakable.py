@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from ppcompile.passes.manager import run_passes
 from ppcompile.runtime.buckets import make_bucket_plan
 from ppcompile.runtime.program import build_program
 from ppcompile.runtime.stage_runtime import StageRuntime
+from ppcompile.symbolic import holds_at
 
 from .float_attributes import tensorify_float_attributes
 from .segment_compilers import compile_segments, compile_times, dynamo_trace_seconds
@@ -57,6 +58,15 @@ def _resolve_graph_mode(config: PPBreakableConfig, example_inputs: list[Any]) ->
     return mode
 
 
+def _admitted_by(ctx: PassContext) -> Callable[[int], bool] | None:
+    """Which bucket sizes the stage graph can run at: those where its shape guards on the token count hold
+    (a graph Dynamo traced for ``n % 16 == 15`` has sizes simplified for such counts only)."""
+    token, guards = ctx.token_symbol, ctx.token_guards
+    if token is None or not guards:
+        return None
+    return lambda size: holds_at(guards, token, size)
+
+
 def pp_breakable(
     gm: torch.fx.GraphModule,
     example_inputs: list[Any],
@@ -78,7 +88,7 @@ def pp_breakable(
         name=name,
         program=program,
         ctx=ctx,
-        plan=make_bucket_plan(config),
+        plan=make_bucket_plan(config, _admitted_by(ctx)),
         graph_mode=_resolve_graph_mode(config, example_inputs),
         config=config,
     )

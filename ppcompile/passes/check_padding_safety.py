@@ -29,14 +29,16 @@ After (same code)::
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import sympy
 import torch
 
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.op_matching import OpMatcher, always_split_ops, resolve_op
-from ppcompile.passes.token_locality import is_registered_token_local, rule_for, written_input
-from ppcompile.symbolic import SizeFn, first_decrease
+from ppcompile.passes.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
+from ppcompile.passes.token_locality import is_registered_token_local, op_name, rule_for, written_input
+from ppcompile.symbolic import SizeFn, example_value, first_decrease, shape_exprs
 
 __all__ = ["PaddingSafetyError", "check_padding_safety"]
 
@@ -88,49 +90,72 @@ def source_line(node: torch.fx.Node) -> str:
     return frames[-1] if frames else "(no source line recorded)"
 
 
+def _verdict(
+    node: torch.fx.Node, ctx: PassContext, extra_safe: list[Any], cap: int, memo: dict[sympy.Expr, int | None]
+) -> str | None:
+    """Why ``node`` may not run on padded rows, or None."""
+    shrinking = shrinking_token_size(node, ctx.token_symbol, cap, memo)
+    written = written_input(node)
+    declared = "pp_token_local" in node.meta or (
+        node.op == "call_function" and is_registered_token_local(node.target, extra_safe)
+    )
+    if shrinking is None and written is None and declared:
+        return None
+    rule = rule_for(node)
+    if shrinking is not None:
+        return f"{_op_label(node)} {shrinking}"
+    if written is not None:
+        return (f"{_op_label(node)} writes in place into graph input {written.name}: a replay would "
+                "write padded rows too (or write the static copy instead of the caller's tensor)")
+    if rule is None:
+        return f"{_op_label(node)} is not known to be token-local (register it if it is)"
+    problem = rule(node)
+    return None if problem is None else f"{_op_label(node)} {problem}"
+
+
+def _flag(node: torch.fx.Node, reason: str, ctx: PassContext) -> None:
+    if ctx.config.on_unsafe == "error":
+        raise PaddingSafetyError(
+            f"pp_breakable: {reason}, so padded rows would leak into live rows "
+            f"({ctx.graph_name}, node {node.name}, at {source_line(node)}). Use on_unsafe='break' "
+            f"to run it eagerly, or register it with ppcompile.register_token_local_op if it is "
+            f"token-local."
+        )
+    node.meta["pp_unsafe"] = reason
+    log.info("%s: %s at %s: runs eagerly (padding safety)", ctx.graph_name, reason, source_line(node))
+
+
 def check_padding_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Marks row-mixing nodes ``meta["pp_unsafe"]``; raises instead when ``on_unsafe="error"``."""
-    if ctx.is_static:
+    token = ctx.token_symbol
+    if token is None:
         return PassResult(gm, modified=False)
     breaks = OpMatcher([*always_split_ops(), *ctx.config.split_ops])
     extra_safe = [resolve_op(op) for op in ctx.config.token_local_ops]
     cap = max(ctx.config.capture_sizes or (ctx.config.max_capture_tokens,))
     decreases: dict[sympy.Expr, int | None] = {}
-    unsafe = 0
+    tails: dict[torch.fx.Node, Tail] = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or breaks.matches(node):
             continue
         if not _touches_tokens(node):
             continue
-        shrinking = shrinking_token_size(node, ctx.token_symbol, cap, decreases)
-        written = written_input(node)
-        declared = "pp_token_local" in node.meta or (
-            node.op == "call_function" and is_registered_token_local(node.target, extra_safe)
-        )
-        if shrinking is None and written is None and declared:
-            continue
-        rule = rule_for(node)
-        if shrinking is not None:
-            reason = f"{_op_label(node)} {shrinking}"
-        elif written is not None:
-            reason = (f"{_op_label(node)} writes in place into graph input {written.name}: a replay would "
-                      "write padded rows too (or write the static copy instead of the caller's tensor)")
-        elif rule is None:
-            reason = f"{_op_label(node)} is not known to be token-local (register it if it is)"
-        else:
-            problem = rule(node)
-            if problem is None:
-                continue
-            reason = f"{_op_label(node)} {problem}"
-        if ctx.config.on_unsafe == "error":
-            raise PaddingSafetyError(
-                f"pp_breakable: {reason}, so padded rows would leak into live rows "
-                f"({ctx.graph_name}, node {node.name}, at {source_line(node)}). Use on_unsafe='break' "
-                f"to run it eagerly, or register it with ppcompile.register_token_local_op if it is "
-                f"token-local."
-            )
-        node.meta["pp_unsafe"] = reason
-        unsafe += 1
-        log.info("%s: %s at %s: runs eagerly (padding safety)", ctx.graph_name, reason, source_line(node))
+        reason = _verdict(node, ctx, extra_safe, cap, decreases)
+        if reason is not None:
+            _flag(node, reason, ctx)
+        elif op_name(node) in CONV_OPS and isinstance(tail := causal_conv_tail(node), Tail):
+            tails[node] = tail
+
+    def stays_graphed(node: torch.fx.Node) -> bool:
+        value = example_value(node)
+        exprs = shape_exprs(value) if isinstance(value, torch.Tensor) else ()
+        return (node.op in ("call_function", "call_method") and "pp_unsafe" not in node.meta
+                and "pp_token_local" not in node.meta and not breaks.matches(node)
+                and not any(e.free_symbols & ctx.other_symbols for e in exprs))
+
+    for origin, reached in escaping_tails(gm, tails, stays_graphed, token, cap).items():
+        _flag(origin, f"{_op_label(origin)} makes rows past the live ones that read padding (a causal "
+                      f"conv's tail), and {reached} reads them before a prefix slice cuts them off", ctx)
+    unsafe = sum("pp_unsafe" in n.meta for n in gm.graph.nodes)
     log.debug("%s: %d padding-unsafe nodes", ctx.graph_name, unsafe)
     return PassResult(gm, modified=False)

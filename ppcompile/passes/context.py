@@ -43,7 +43,7 @@ class OutputTrim:
 class PassContext:
     """Facts established by the passes, in the order they run.
 
-    ``find_token_dims`` fills ``token_symbol``, ``input_kinds`` and ``token_input``;
+    ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input`` and ``token_guards``;
     ``find_token_local_regions`` fills ``token_local_regions``;
     ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``split_at_breaks`` fills
     ``segments``; ``lift_static_inputs`` fills ``static_inputs`` and ``bridges``;
@@ -59,6 +59,7 @@ class PassContext:
     symint_inputs: dict[int, sympy.Expr] = dataclasses.field(default_factory=dict)
     other_symbols: frozenset[sympy.Symbol] = frozenset()
     token_local_regions: tuple[str, ...] = ()
+    token_guards: tuple[sympy.Basic, ...] = ()  # Dynamo's shape guards on the token symbol alone
     layer_ids: tuple[int, ...] = ()
     eligible: bool = True
     ineligible_reason: str | None = None

@@ -35,7 +35,7 @@ import torch
 
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
-from ppcompile.symbolic import example_value, shape_exprs, size_value_expr
+from ppcompile.symbolic import example_value, shape_exprs, shape_guards, size_value_expr
 
 __all__ = ["classify_input", "find_token_dims"]
 
@@ -96,7 +96,8 @@ def _pick_token_symbol(
 
 
 def find_token_dims(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Annotates token dims on every node; fills ``ctx.token_symbol``, ``input_kinds``, ``token_input``."""
+    """Annotates token dims on every node; fills ``ctx.token_symbol``, ``input_kinds``, ``token_input`` and
+    ``token_guards`` (Dynamo's guards on the token count: buckets where one fails are not captured)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     examples = [example_value(p) for p in placeholders]
     ctx.input_kinds = [classify_input(p, ex) for p, ex in zip(placeholders, examples)]
@@ -122,6 +123,8 @@ def find_token_dims(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if ctx.input_kinds[i] is InputKind.SYMINT:
             ctx.symint_inputs[i] = node.meta["pp_size_expr"]
     ctx.other_symbols = frozenset(others)
+    i, d = ctx.token_input or (0, 0)
+    ctx.token_guards = shape_guards(example_value(placeholders[i]).shape[d], token)
     log.debug("%s: token symbol %s (input %d dim %d); other symbols %s",
               ctx.graph_name, token, *ctx.token_input or (-1, -1), sorted(map(str, others)))
     return PassResult(gm, modified=False)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ppcompile.passes.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
+
 __all__ = [
     "RULES",
     "is_registered_token_local",
@@ -178,10 +180,11 @@ def _prod(xs: list[int]) -> int:
 
 
 def getitem(node: torch.fx.Node) -> str | None:
-    """Indexing: slicing or selecting along the token dim, or gathering token rows, mixes rows."""
+    """Indexing: slicing or selecting along the token dim, or gathering token rows, mixes rows; a prefix
+    slice (``x[:k]``) is prefix-causal."""
     src, index = node.args[0], node.args[1]
-    if not _is_tensor(src):
-        return None  # picks an element of a tuple
+    if not _is_tensor(src) or is_prefix_slice(node):
+        return None  # picks an element of a tuple, or a prefix of the rows
     token = _dims(src)
     if not token:
         return None
@@ -213,6 +216,26 @@ def layer_norm(node: torch.fx.Node) -> str | None:
     src, shape = node.args[0], _arg(node, 1, "normalized_shape", ())
     count = len(shape) if isinstance(shape, (list, tuple)) else 1
     return _touching(list(range(_ndim(src) - count, _ndim(src))), src, "normalizes")
+
+
+def narrow(node: torch.fx.Node) -> str | None:
+    """``narrow(dim, start, length)``: a prefix of a token dim (start 0) is prefix-causal; other starts
+    shift rows."""
+    if is_prefix_slice(node):
+        return None
+    return _touching(_norm_dims(_arg(node, 1, "dim"), _ndim(node.args[0])), node.args[0], "slices")
+
+
+def scan(node: torch.fx.Node) -> str | None:
+    """Scans (``cumsum``, ``cummax``, ...): along a token dim row ``i`` reads rows ``<= i`` only, which
+    padding after the live rows cannot reach (prefix-causal); along other dims token-local."""
+    return None
+
+
+def conv1d(node: torch.fx.Node) -> str | None:
+    """``conv1d`` along a token dim: causal (each output row reads rows at or before it) or not."""
+    verdict = causal_conv_tail(node)
+    return verdict if isinstance(verdict, str) else None
 
 
 def item(node: torch.fx.Node) -> str | None:
@@ -249,11 +272,12 @@ RULES.update({
 })
 RULES["norm"] = _reduce(None, index=2)  # norm(x, p, dim)
 RULES.update({name: _reduce(None, what="normalizes") for name in ("softmax", "log_softmax")})
-RULES.update({name: _dim_op(1, None, "scans") for name in ("cumsum", "cumprod", "cummax", "cummin")})
+RULES.update({name: scan for name in SCAN_OPS})
+RULES.update({name: conv1d for name in CONV_OPS})
 RULES.update({"topk": _dim_op(2, -1, "ranks"), "sort": _dim_op(1, -1, "ranks"),
               "argsort": _dim_op(1, -1, "ranks"), "kthvalue": _dim_op(2, -1, "ranks")})
 RULES.update({name: _dim_op(2, 0, "splits") for name in ("split", "chunk", "tensor_split")})
-RULES.update({"unbind": _dim_op(1, 0, "splits"), "narrow": _dim_op(1, None, "slices"),
+RULES.update({"unbind": _dim_op(1, 0, "splits"), "narrow": narrow,
               "select": _dim_op(1, None, "selects")})
 RULES.update({name: _dim_op(1, None, "gathers or scatters") for name in (
     "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "index_select",

@@ -9,6 +9,7 @@ off the grid, so a forward at exactly the cap is graphed). Explicit ``capture_si
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from ppcompile.config import PPBreakableConfig
 
@@ -40,15 +41,17 @@ class BucketPlan:
 
     ``bucket_for[n]`` is the bucket that serves ``n`` tokens, or 0 when ``n`` runs eagerly (above the
     cap, or padding beyond ``max_padding_factor``). Built once at compile time; lookups are O(1).
+    ``refused``: sizes of the ladder the stage graph cannot run at (its shape guards fail there).
     """
 
     sizes: tuple[int, ...]
     max_padding_factor: float
     bucket_for: tuple[int, ...]
+    refused: tuple[int, ...] = ()
 
     @property
     def cap(self) -> int:
-        return self.sizes[-1]
+        return self.sizes[-1] if self.sizes else 0
 
     def bucket(self, num_tokens: int) -> int | None:
         """The bucket serving ``num_tokens``, or None when it runs eagerly."""
@@ -60,10 +63,14 @@ class BucketPlan:
         """Why ``num_tokens`` runs eagerly, or None when a bucket serves it."""
         if self.bucket(num_tokens) is not None:
             return None
-        if num_tokens > self.cap:
-            return f"{num_tokens} tokens is above the capture cap {self.cap}"
         if num_tokens < 1:
             return f"{num_tokens} tokens: nothing to pad"
+        refused = next((s for s in self.refused if s >= num_tokens), None)
+        if refused is not None and (num_tokens > self.cap or refused < self.sizes[-1]):
+            return (f"bucket {refused} for {num_tokens} tokens is outside the token counts the stage graph "
+                    "was traced for (a shape guard of Dynamo fails there)")
+        if num_tokens > self.cap:
+            return f"{num_tokens} tokens is above the capture cap {self.cap}"
         nxt = next(s for s in self.sizes if s >= num_tokens)
         return (
             f"bucket {nxt} for {num_tokens} tokens pads more than max_padding_factor="
@@ -79,16 +86,19 @@ class BucketPlan:
         return rows
 
 
-def make_bucket_plan(config: PPBreakableConfig) -> BucketPlan:
-    """The bucket plan for a config: explicit ``capture_sizes`` or the default ladder."""
-    sizes = config.capture_sizes or default_capture_ladder(config.max_capture_tokens)
-    table = [0] * (sizes[-1] + 1)
+def make_bucket_plan(config: PPBreakableConfig, admits: Callable[[int], bool] | None = None) -> BucketPlan:
+    """The bucket plan for a config: explicit ``capture_sizes`` or the default ladder, less the sizes
+    ``admits`` refuses (the stage graph's shape guards fail there; counts they would serve go to the next
+    admitted bucket or run eagerly)."""
+    ladder = config.capture_sizes or default_capture_ladder(config.max_capture_tokens)
+    sizes = [s for s in ladder if admits is None or admits(s)]
+    table = [0] * ((sizes[-1] if sizes else 0) + 1)
     i = 0
-    for n in range(1, sizes[-1] + 1):
+    for n in range(1, len(table)):
         while sizes[i] < n:
             i += 1
         b = sizes[i]
         table[n] = b if b <= config.max_padding_factor * n else 0
-    return BucketPlan(
-        sizes=tuple(sizes), max_padding_factor=config.max_padding_factor, bucket_for=tuple(table)
-    )
+    refused = tuple(s for s in ladder if s not in sizes)
+    return BucketPlan(sizes=tuple(sizes), max_padding_factor=config.max_padding_factor,
+                      bucket_for=tuple(table), refused=refused)

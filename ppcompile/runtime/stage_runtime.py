@@ -164,6 +164,9 @@ class StageRuntime:
                     return f"graph segment {st.segment.name} reads a non-tensor input (slot {r.slot})"
         if not any(st.segment.is_graph for st in self.program.steps):
             return "the stage has no graph segments"
+        if not self.plan.sizes:
+            return (f"no capture size is a token count the stage graph was traced for (Dynamo's shape "
+                    f"guards fail at {', '.join(map(str, self.plan.refused))})")
         return None
 
     def num_tokens(self, args: tuple[Any, ...]) -> int:

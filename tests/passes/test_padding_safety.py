@@ -24,7 +24,8 @@ Mixer = Callable[[torch.Tensor], torch.Tensor]
 ROW_MIXING: dict[str, tuple[Mixer, str]] = {
     "mean over tokens": (lambda h: h - h.mean(0, keepdim=True), "mean"),
     "sum over tokens": (lambda h: h + h.sum(dim=0), "sum"),
-    "cumsum along tokens": (lambda h: h.cumsum(0), "cumsum"),
+    "conv1d reading ahead": (lambda h: _conv(h, padding=1), "conv1d"),
+    "reversed cumsum": (lambda h: h.flip(0).cumsum(0).flip(0), "flip"),
     "sort along tokens": (lambda h: torch.sort(h, dim=0).values, "sort"),
     "topk along tokens": (lambda h: h + torch.topk(h, 1, dim=0).values, "topk"),
     "softmax over tokens": (lambda h: torch.softmax(h, dim=0), "softmax"),
@@ -34,6 +35,26 @@ ROW_MIXING: dict[str, tuple[Mixer, str]] = {
     "gather other tokens": (lambda h: h[torch.arange(h.shape[0]).flip(0)], "getitem"),
     "roll along tokens": (lambda h: torch.roll(h, 1, 0), "roll"),
     "view folding tokens": (lambda h: h.reshape(-1).cumsum(0).view(h.shape[0], -1), "reshape"),
+}
+
+
+def _conv(h: torch.Tensor, padding: int, kernel: int = 3) -> torch.Tensor:
+    """A depthwise conv1d over the tokens of ``h [T, H]`` (as ``[1, H, T]``), all of its output rows."""
+    weight = torch.linspace(-1, 1, H * kernel).view(H, 1, kernel)
+    return torch.nn.functional.conv1d(h.t().unsqueeze(0), weight, padding=padding, groups=H)[0].t()
+
+
+def _causal_conv(h: torch.Tensor) -> torch.Tensor:
+    """Causal: padded by kernel - 1 on both sides, the output's first ``T`` rows kept (Qwen3-Next's)."""
+    return _conv(h, padding=2)[: h.shape[0]]
+
+
+# Row i reads rows <= i only: padding appended after the live rows cannot reach a live row.
+PREFIX_CAUSAL: dict[str, Mixer] = {
+    "cumsum along tokens": lambda h: h.cumsum(0),
+    "cummax along tokens": lambda h: torch.cummax(h, 0).values,
+    "causal conv1d, tail cut off": _causal_conv,
+    "prefix slices": lambda h: h.narrow(0, 0, h.shape[0] - 1)[:-1] * 2,  # n - 2 rows out
 }
 
 
@@ -113,9 +134,9 @@ def test_without_the_check_padding_leaks(monkeypatch: pytest.MonkeyPatch) -> Non
         assert not torch.allclose(compiled(x), stage(x), atol=1e-4)
 
 
-@pytest.mark.parametrize("name", sorted(TOKEN_WISE))
-def test_token_wise_ops_stay_graphed(name: str) -> None:
-    stage, compiled = _compile(TOKEN_WISE[name])
+@pytest.mark.parametrize("name", sorted(TOKEN_WISE) + sorted(PREFIX_CAUSAL))
+def test_token_wise_and_prefix_causal_ops_stay_graphed(name: str) -> None:
+    stage, compiled = _compile({**TOKEN_WISE, **PREFIX_CAUSAL}[name])
     with torch.no_grad():
         for n in NON_BUCKET_COUNTS:
             x = torch.randn(n, H)
@@ -258,6 +279,22 @@ def test_token_sizes_that_shrink_as_tokens_grow_stay_off_graphs() -> None:
     shrinking = [r for r in runtime.break_reasons if "shrinks as the token count grows" in r.detail]
     assert shrinking, runtime.describe()
     assert any(s.is_graph for s in runtime.segments), runtime.describe()
+    # Dynamo traced one graph per residue class of the pad count (n % 16 == 15 gives a 1-row pad it
+    # specialises); each is captured only at buckets its guards admit.
+    assert any(rt.plan.refused for rt in ppcompile.stage_runtimes())
+
+
+def test_without_the_guard_check_a_bucket_outside_the_traced_counts_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check has teeth: the graph traced for ``n % 16 == 15`` evaluates its sizes at bucket 8,
+    where they divide by zero."""
+    from ppcompile.backends import pp_breakable
+
+    monkeypatch.setattr(pp_breakable, "holds_at", lambda *args: True)
+    stage, compiled = _compile_padder()
+    with pytest.raises(ZeroDivisionError):
+        _run_padder(stage, compiled, [8, 5, 16, 17, 31])
 
 
 def test_without_the_shrink_check_a_bucket_cannot_hold_the_live_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -283,3 +320,39 @@ def test_a_shape_read_by_a_break_is_the_live_shape() -> None:
             x = torch.randn(n, H)
             with ppcompile.counters.expect(replays=1):
                 torch.testing.assert_close(compiled(x), stage(x))
+
+
+def test_a_final_state_of_a_scan_is_read_at_the_live_count() -> None:
+    """The scan is graphed; its last row (a final state) is a side output that would see padded rows in
+    the graph, so the select runs eagerly on the live rows."""
+    stage, compiled = _compile(lambda h: h + h.cumsum(0)[-1])
+    with torch.no_grad():
+        for n in NON_BUCKET_COUNTS:
+            x = torch.randn(n, H)
+            torch.testing.assert_close(compiled(x), stage(x))
+    runtime = ppcompile.stage_runtimes()[-1]
+    assert [r.op for r in runtime.break_reasons] == ["getitem"], runtime.describe()
+
+
+def _tail_reaches_a_sum(h: torch.Tensor) -> torch.Tensor:
+    return h + _conv(h, padding=2).sum(0)  # every output row of a causal conv, its tail too
+
+
+def test_a_causal_conv_whose_tail_is_read_runs_eagerly() -> None:
+    stage, compiled = _compile(_tail_reaches_a_sum)
+    with torch.no_grad():
+        for n in NON_BUCKET_COUNTS:
+            x = torch.randn(n, H)
+            torch.testing.assert_close(compiled(x), stage(x))
+    reasons = [str(r) for r in ppcompile.stage_runtimes()[-1].break_reasons]
+    assert any("conv1d makes rows past the live ones" in r and "sum" in r for r in reasons), reasons
+
+
+def test_without_the_tail_check_padding_reaches_live_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check has teeth: a graphed causal conv's last two rows read the bucket's padded rows, and the
+    sum over its rows (eager, on the live count's rows) sees them."""
+    monkeypatch.setattr(check_padding_safety, "escaping_tails", lambda *args: {})
+    stage, compiled = _compile(lambda h: torch.relu(_tail_reaches_a_sum(h) + 1))
+    with torch.no_grad():
+        x = torch.randn(5, H)
+        assert not torch.allclose(compiled(x), stage(x), atol=1e-4)

@@ -102,3 +102,16 @@ def test_padding_table() -> None:
         (1, None, 0.0), (2, 4, 1.0), (3, 4, 1 / 3), (4, 4, 0.0), (5, 8, 0.6), (6, 8, 1 / 3), (7, 8, 1 / 7),
         (8, 8, 0.0),
     ]
+
+
+def test_sizes_the_graph_was_not_traced_for_are_refused() -> None:
+    """A graph Dynamo traced under ``n % 8 == 7`` (its sizes simplified for such counts) is captured only
+    at buckets where that holds; counts another bucket would have served go to the next admitted one
+    (within the padding factor) or run eagerly, with the reason."""
+    config = PPBreakableConfig.from_options({"capture_sizes": [8, 15, 16, 23, 32]})
+    plan = make_bucket_plan(config, admits=lambda size: size % 8 == 7)
+    assert plan.sizes == (15, 23) and plan.refused == (8, 16, 32)
+    assert [plan.bucket(n) for n in (7, 8, 15, 16, 23, 24)] == [None, 15, 15, 23, 23, None]
+    assert "traced for" in str(plan.eager_reason(7)) and "traced for" in str(plan.eager_reason(24))
+    none = make_bucket_plan(config, admits=lambda size: False)
+    assert none.sizes == () and none.cap == 0 and none.bucket(8) is None
