@@ -80,5 +80,9 @@ step throughput_profile "${limits[1]}" "$py" -m ppcompile bench --only throughpu
   --no-docs --budget-s "$((limits[1] - 60))" "${bench_args[@]}"
 step overhead "${limits[2]}" "$py" -m ppcompile bench --only overhead --out "$results" --no-docs \
   "${bench_args[@]}"
+# Where folding a tiny graph segment into its breaks stops paying (DEFAULT_FOLD_GRAPH_OPS follows it).
+if [ "$dry" = 1 ]; then fold_args=(--device cpu --graph-mode emulate --ks 1,2); else fold_args=(--device cuda); fi
+step fold_segments 60 "$py" bench/fold_segments.py "${fold_args[@]}"
+cp "$results/fold_segments.log" "$results/fold_segments.txt" 2>/dev/null
 "$py" -m ppcompile bench --render "$results" --docs-file "$results/benchmarks.md" 2>&1 | tee -a "$results/summary.txt"
 echo "gpu_check: done; results in $results (summary.txt, benchmarks.md)"

@@ -14,11 +14,11 @@ from ppcompile.passes.check_padding_safety import PaddingSafetyError
 from ppcompile.passes.op_matching import register_attention_op
 from ppcompile.passes.token_locality import register_token_local_op
 from ppcompile.proxy import PPProxyTensors
+from ppcompile.regions import eager_region, token_local
 from ppcompile.runtime.executors import ReplayAddressError
 from ppcompile.runtime.stage_runtime import ConcurrentCallError
 from ppcompile.runtime.stale_outputs import StaleOutputError
 from ppcompile.runtime.validation import InputMismatchError
-from ppcompile.token_local import token_local
 
 __all__ = [
     "ConcurrentCallError",
@@ -29,6 +29,7 @@ __all__ = [
     "ReplayAddressError",
     "StaleOutputError",
     "counters",
+    "eager_region",
     "mark_token_dynamic",
     "pp_breakable",
     "register_attention_op",

@@ -19,6 +19,10 @@ __all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PP
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
 """Last size where the seed engine change measured graphs ahead of eager on a PP stage."""
 
+DEFAULT_FOLD_GRAPH_OPS = 3
+"""Graph segments between two breaks with at most this many ops that launch kernels are folded into one
+eager break (measured crossover: docs/benchmarks.md, "Folding tiny graph segments")."""
+
 SEGMENT_COMPILERS = ("eager", "inductor")
 GRAPH_MODES = ("auto", "cuda", "emulate", "eager", "none")
 ON_UNSAFE = ("break", "error")
@@ -51,6 +55,9 @@ class PPBreakableConfig:
             ``"break"`` runs it eagerly on live rows, ``"error"`` fails the compile naming it.
         token_local_ops: ops to treat as token-local (row i of the outputs depends only on row i of
             the inputs) in addition to the known ones, as ``"namespace::op"`` strings or op objects.
+        fold_graph_ops: a graph segment between two breaks with at most this many kernel-launching ops
+            (views and size arithmetic are free) runs eagerly, joining the breaks around it into one;
+            0 keeps every graph segment.
         dump_dir: write pass dumps here (default: ``PPCOMPILE_DUMP_DIR``).
         debug: check at every replay that graphs read the captured tensors, and detect reads of
             outputs that a later call overwrote.
@@ -68,6 +75,7 @@ class PPBreakableConfig:
     max_padding_factor: float = 2.0
     on_unsafe: str = "break"
     token_local_ops: tuple[Any, ...] = ()
+    fold_graph_ops: int = DEFAULT_FOLD_GRAPH_OPS
     dump_dir: str | None = None
     debug: bool = False
     owned_outputs: bool = False
@@ -96,6 +104,9 @@ class PPBreakableConfig:
         mpf = self.max_padding_factor
         if isinstance(mpf, bool) or not isinstance(mpf, (int, float)) or not mpf >= 1.0:
             _bad("max_padding_factor", mpf, "a number >= 1.0")
+        fold = self.fold_graph_ops
+        if isinstance(fold, bool) or not isinstance(fold, int) or fold < 0:
+            _bad("fold_graph_ops", fold, "an int >= 0 (0: fold nothing)")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             _bad("dump_dir", self.dump_dir, "a path string or None")
         for flag in ("debug", "owned_outputs", "dedup_segments"):

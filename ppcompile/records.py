@@ -19,6 +19,7 @@ class BreakKind(str, enum.Enum):
     UNSAFE_OP = "padding-unsafe op"
     HOST_SCALAR = "host scalar argument"
     NO_TENSOR_OUTPUTS = "no tensor outputs"
+    EAGER_REGION = "declared eager region"
     OTHER = "other"
 
 

@@ -152,9 +152,11 @@ def first_exceeding(a: sympy.Expr, b: sympy.Expr, symbol: sympy.Symbol, upto: in
 
 
 def shape_guards(size: torch.SymInt, symbol: sympy.Symbol) -> tuple[sympy.Basic, ...]:
-    """The guards Dynamo's ShapeEnv recorded while tracing that mention ``symbol`` and no other symbol
-    (``Eq(Mod(s0, 16), 15)``, ``s0 <= 64``): the graph was traced, and its sizes simplified, for token
-    counts where they hold. ``size`` is any SymInt of the graph (it carries the ShapeEnv)."""
+    """The equality guards Dynamo's ShapeEnv recorded while tracing that mention ``symbol`` and no other
+    symbol: the graph's sizes were simplified for token counts where they hold (``Eq(Mod(s0, 16), 15)``
+    turns a pad count into the constant 1). Bounds and inequalities (``s0 < 4``, ``Ne(s0, 8)``) simplify
+    no size; they say which branch the Python took (a sliding-window mask or none), which graphed
+    token-local ops do not depend on. ``size`` is any SymInt of the graph (it carries the ShapeEnv)."""
     shape_env = getattr(size.node, "shape_env", None)
     guards = getattr(shape_env, "guards", None)
     if guards is None:
@@ -163,7 +165,7 @@ def shape_guards(size: torch.SymInt, symbol: sympy.Symbol) -> tuple[sympy.Basic,
             "ppcompile reads it to know which token counts a graph was traced for"
         )
     exprs = (getattr(g, "expr", g) for g in guards)
-    return tuple(e for e in exprs if isinstance(e, sympy.Basic) and e.free_symbols == {symbol})
+    return tuple(e for e in exprs if isinstance(e, sympy.Eq) and e.free_symbols == {symbol})
 
 
 def holds_at(guards: tuple[sympy.Basic, ...], symbol: sympy.Symbol, value: int) -> bool:

@@ -57,6 +57,7 @@ GOOD: dict[str, list[Any]] = {
     "owned_outputs": [True, False],
     "on_unsafe": ["break", "error"],
     "token_local_ops": [[], ["mylib::rowwise"], (torch.relu,)],
+    "fold_graph_ops": [0, 3, 100],
 }
 BAD: dict[str, list[Any]] = {
     "capture_sizes": [[], [0], [-4], [16, "32"], [2.0], [True], "16", 16, {16}],
@@ -73,6 +74,7 @@ BAD: dict[str, list[Any]] = {
     "owned_outputs": [0, "no", None],
     "on_unsafe": ["eager", "Error", None],
     "token_local_ops": ["mylib::rowwise", ["rowwise"], 3],
+    "fold_graph_ops": [-1, 1.5, "3", True, None],
 }
 
 

@@ -27,6 +27,7 @@ KIND_COLORS = {
     "padding-unsafe op": "#e15759",
     "host scalar argument": "#edc948",
     "no tensor outputs": "#bab0ac",
+    "declared eager region": "#ff9da7",
     "other": "#9c755f",
 }
 _W = 1120  # drawing width of the SVGs, px

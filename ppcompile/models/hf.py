@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch import nn
 from ppcompile.models.layers import PPMissingLayer, nested_region
 from ppcompile.models.stage import get_pp_indices
 from ppcompile.proxy import PPProxyTensors
-from ppcompile.token_local import token_local
+from ppcompile.regions import eager_region, token_local
 
 try:
     import transformers
@@ -46,8 +47,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "pip install 'ppcompile[hf]' (or pip install transformers)"
     ) from e
 
-__all__ = ["TINY_FAMILIES", "TOKEN_LOCAL_BLOCKS", "HFStage", "make_hf_stages", "tiny_causal_lm",
-           "tiny_config"]
+__all__ = ["EAGER_CORES", "TINY_FAMILIES", "TOKEN_LOCAL_BLOCKS", "HFStage", "make_hf_stages",
+           "tiny_causal_lm", "tiny_config"]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,21 @@ TOKEN_LOCAL_BLOCKS = frozenset({
     "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE",
     "GptOssMLP", "Qwen3NextSparseMoeBlock",
 })
+# Linear-attention layers -> the torch function of their chunked scan, in the layer's module. The scan pads
+# the tokens to a multiple of the chunk size, folds them into chunks and back: row-mixing all through, so it
+# is declared one eager region (``ppcompile.eager_region``) instead of a break per op.
+EAGER_CORES = {"Qwen3NextGatedDeltaNet": "torch_chunk_gated_delta_rule"}
+
+
+def _declare_regions(layer: nn.Module) -> None:
+    """Declares what ppcompile knows of ``layer``'s blocks (``TOKEN_LOCAL_BLOCKS``, ``EAGER_CORES``)."""
+    for block in layer.modules():
+        name = type(block).__name__
+        if name in TOKEN_LOCAL_BLOCKS:
+            token_local(block)
+        core = getattr(sys.modules.get(type(block).__module__), EAGER_CORES.get(name, ""), None)
+        if core is not None:
+            eager_region(core)
 
 
 # ------------------------------------------------------------------------------------------ masks
@@ -194,8 +210,10 @@ class HFStage(nn.Module):
     forward (see the module docstring). ``compile_regions=True`` calls each decoder layer as a
     ``torch.compiler.nested_compile_region`` (whole layers, attention included: without a KV cache an HF
     layer holds nothing that differs per layer), so Dynamo traces one layer, not all of them.
-    ``token_local_moe=True`` declares the layers' sparse-MoE blocks of the known families
-    (``TOKEN_LOCAL_BLOCKS``) token-local (``ppcompile.token_local``), so their routing stays in graphs.
+    ``declare_regions=True`` declares the layers' sparse-MoE blocks of the known families
+    (``TOKEN_LOCAL_BLOCKS``) token-local (``ppcompile.token_local``), so their routing stays in graphs,
+    and their chunked linear-attention scans (``EAGER_CORES``) one eager break each
+    (``ppcompile.eager_region``).
     """
 
     def __init__(
@@ -206,7 +224,7 @@ class HFStage(nn.Module):
         layer_range: tuple[int, int] | None = None,
         varlen: bool = False,
         compile_regions: bool = False,
-        token_local_moe: bool = True,
+        declare_regions: bool = True,
     ) -> None:
         super().__init__()
         self.compile_regions = compile_regions
@@ -235,11 +253,9 @@ class HFStage(nn.Module):
         self.layers = nn.ModuleList(
             base.layers[i] if start <= i < end else PPMissingLayer() for i in range(num_layers)
         )
-        if token_local_moe:
+        if declare_regions:
             for i in range(start, end):
-                for block in base.layers[i].modules():
-                    if type(block).__name__ in TOKEN_LOCAL_BLOCKS:
-                        token_local(block)
+                _declare_regions(base.layers[i])
         self.rotary_emb: nn.Module = base.rotary_emb
         self.norm: nn.Module | None = base.norm if is_last else None
         head: Any = model.lm_head
@@ -298,9 +314,9 @@ _layer_region = nested_region(_run_layer)
 
 def make_hf_stages(
     model: nn.Module, pp_size: int, varlen: bool = False, compile_regions: bool = False,
-    token_local_moe: bool = True,
+    declare_regions: bool = True,
 ) -> list[HFStage]:
     """All ``pp_size`` stages of ``model``, split by ``get_pp_indices`` (sharing ``model``'s modules)."""
     return [HFStage(model, rank, pp_size, varlen=varlen, compile_regions=compile_regions,
-                    token_local_moe=token_local_moe)
+                    declare_regions=declare_regions)
             for rank in range(pp_size)]

@@ -7,7 +7,7 @@ out in plain ops, a matmul contracting over tokens, an index or gather that addr
 by slot indices would receive padded rows). For every node that touches a token dim this pass applies
 the op's rule (``token_locality.RULES``); a node that fails, or whose op has no rule and is not
 registered token-local, gets ``meta["pp_unsafe"]`` with the reason. Nodes of a region declared
-token-local (``find_token_local_regions``) skip the op rules. Whatever its op, a node is unsafe when a
+token-local (``find_declared_regions``) skip the op rules. Whatever its op, a node is unsafe when a
 token-dim size it makes or reads shrinks as the token count grows, or when it writes into a graph input.
 ``split_at_breaks`` then makes it a break that runs eagerly on live rows, or, with
 ``on_unsafe="error"``, compilation fails naming the op, its source line and the reason.

@@ -44,7 +44,7 @@ class PassContext:
     """Facts established by the passes, in the order they run.
 
     ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input`` and ``token_guards``;
-    ``find_token_local_regions`` fills ``token_local_regions``;
+    ``find_declared_regions`` fills ``token_local_regions``;
     ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``split_at_breaks`` fills
     ``segments``; ``lift_static_inputs`` fills ``static_inputs`` and ``bridges``;
     ``plan_output_trim`` fills ``trims``.

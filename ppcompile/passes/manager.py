@@ -16,8 +16,8 @@ from ppcompile.debug.progress import Progress
 from ppcompile.passes.align_global_layers import align_global_layers
 from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.passes.find_declared_regions import find_declared_regions
 from ppcompile.passes.find_token_dims import find_token_dims
-from ppcompile.passes.find_token_local_regions import find_token_local_regions
 from ppcompile.passes.inline_nested_regions import inline_nested_regions
 from ppcompile.passes.lift_static_inputs import lift_static_inputs
 from ppcompile.passes.plan_output_trim import plan_output_trim
@@ -38,7 +38,7 @@ PASSES: tuple[Pass, ...] = (
     # Needs nothing but the flat graph; must see attention calls before they are split apart.
     align_global_layers,
     # Reads only Dynamo's node meta; must run before the padding-safety check, which trusts what it finds.
-    find_token_local_regions,
+    find_declared_regions,
     # Needs token dims (it judges ops by which of their dims scale with tokens); must run before the
     # split, which turns the nodes it flags into breaks.
     check_padding_safety,

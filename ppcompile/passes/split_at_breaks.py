@@ -42,6 +42,7 @@ from torch.fx.passes.split_module import split_module
 
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.op_matching import OpMatcher, always_split_ops
+from ppcompile.passes.token_locality import VIEW_OPS
 from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
 from ppcompile.symbolic import example_value, shape_exprs, size_expr
 
@@ -84,6 +85,9 @@ def _break_reason(
     reads_host = any(a in host for a in node.all_input_nodes)
     if reads_host and not isinstance(example_value(node), torch.Tensor):
         host.add(node)  # a number derived from a per-call scalar: its readers run eagerly too
+    if "pp_eager_region" in node.meta:
+        return BreakReason(BreakKind.EAGER_REGION, _op_name(node),
+                           f"traced inside {node.meta['pp_eager_region']}, declared an eager region", trace)
     if attention.matches(node):
         layer = node.meta.get("pp_layer_id")
         detail = f"global layer {layer}" if layer is not None else ""
@@ -122,7 +126,8 @@ def _region_spans(gm: torch.fx.GraphModule) -> list[tuple[list[torch.fx.Node], s
     A ``torch.vmap`` region (Dynamo inlines one as ``_vmap_increment_nesting`` ...
     ``_vmap_decrement_nesting``): a boundary inside would run copies at the wrong vmap level. A declared
     token-local region (a run of nodes with one ``meta["pp_token_local"]``): its inner values (tokens
-    sorted by expert) are not token-major, so a live-size view of one would read the wrong rows.
+    sorted by expert) are not token-major, so a live-size view of one would read the wrong rows. A
+    declared eager region (``meta["pp_eager_region"]``): one break by declaration.
     Overlapping spans merge.
     """
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
@@ -137,7 +142,7 @@ def _region_spans(gm: torch.fx.GraphModule) -> list[tuple[list[torch.fx.Node], s
             depth -= 1
             if depth == 0:
                 intervals.append((opened, i, "torch.vmap region"))
-        declared = node.meta.get("pp_token_local")
+        declared = node.meta.get("pp_token_local", node.meta.get("pp_eager_region"))
         if declared is not None:
             if intervals and intervals[-1][2] == declared and intervals[-1][1] == i - 1:
                 intervals[-1] = (intervals[-1][0], i, declared)
@@ -165,6 +170,48 @@ def _atomic_regions(
             reason = dataclasses.replace(found[0], op=f"{what} ({ops})")
             regions.update({n: (members[0], reason) for n in members})
     return regions
+
+
+def _launches(node: torch.fx.Node) -> bool:
+    """Whether ``node`` runs a kernel: not a view, a tuple unpacking or size arithmetic."""
+    if node.op not in ("call_function", "call_method") or not isinstance(example_value(node), torch.Tensor):
+        return False
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name == "contiguous" or name not in VIEW_OPS
+
+
+def _fold_tiny_graphs(
+    partition: dict[torch.fx.Node, int],
+    reasons: dict[int, BreakReason],
+    layer_ids: dict[int, tuple[int, ...]],
+    most: int,
+) -> int:
+    """Folds each graph partition between two breaks that launches at most ``most`` kernels into one
+    break with both neighbours (a graph launch and the bridges around it cost more than running those
+    few ops eagerly). Rewrites the three maps in place; returns how many partitions were folded."""
+    members: dict[int, list[torch.fx.Node]] = {}
+    for node, part in partition.items():
+        members.setdefault(part, []).append(node)
+    order = sorted(members)
+    folded, merged_into = 0, {p: p for p in order}
+    for before, graph, after in zip(order, order[1:], order[2:]):
+        if graph in reasons or merged_into[before] not in reasons or after not in reasons:
+            continue
+        ops = [n for n in members[graph] if _launches(n)]
+        if len(ops) > most:
+            continue
+        head = merged_into[before]
+        first, second = reasons[head], reasons.pop(after)
+        names = ", ".join(dict.fromkeys(_op_name(n) for n in members[graph] if n.op.startswith("call_")))
+        reasons[head] = dataclasses.replace(first, detail=(
+            f"{first.detail}; joined with the next break ({second.kind.value}: {second.op}) across "
+            f"{len(ops)} cheap op{'s' * (len(ops) != 1)} ({names or 'views'}) run eagerly"))
+        layer_ids[head] = layer_ids.get(head, ()) + layer_ids.pop(after, ())
+        for node in members[graph] + members[after]:
+            partition[node] = head
+        merged_into[graph] = merged_into[after] = head
+        folded += 1
+    return folded
 
 
 def _has_tensor_output(submod: torch.fx.GraphModule) -> bool:
@@ -232,6 +279,7 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             current_is_break = True
         partition[node] = part
 
+    folded = _fold_tiny_graphs(partition, reasons, layer_ids, ctx.config.fold_graph_ops)
     declared: dict[int, dict[str, None]] = {}
     for node, index in partition.items():
         if "pp_token_local" in node.meta:
@@ -257,6 +305,6 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.segments.append(segment)
         _annotate_outputs(split, node, submod)
     n_graph = sum(s.is_graph for s in ctx.segments)
-    log.debug("%s: %d segments (%d graph, %d break)", ctx.graph_name, len(ctx.segments), n_graph,
-              len(ctx.segments) - n_graph)
+    log.debug("%s: %d segments (%d graph, %d break; %d tiny graph segments folded)", ctx.graph_name,
+              len(ctx.segments), n_graph, len(ctx.segments) - n_graph, folded)
     return PassResult(split, modified=True)

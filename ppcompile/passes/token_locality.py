@@ -10,6 +10,7 @@ token-local, else the reason it is not. Ops without a rule are unsafe unless reg
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from ppcompile.passes.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail,
 
 __all__ = [
     "RULES",
+    "VIEW_OPS",
     "is_registered_token_local",
     "op_name",
     "register_token_local_op",
@@ -153,7 +155,9 @@ def permute(node: torch.fx.Node) -> str | None:
 
 
 def reshape(node: torch.fx.Node) -> str | None:
-    """A reshape keeps rows whole when the token dim keeps its size and the same static prefix."""
+    """A reshape keeps rows whole when the static dims before the token dim hold as many elements before
+    as after, and each token keeps its elements together: the same token dim, or a token-major fold or
+    unfold of it (``[T, k, d] <-> [T*k, d]``: ``c*T`` rows either way, the same elements per token)."""
     src = node.args[0]
     before, after = _dims(src), _dims(node)
     if not before and not after:
@@ -161,22 +165,22 @@ def reshape(node: torch.fx.Node) -> str | None:
     if len(before) != 1 or len(after) != 1:
         return "reshapes across token dims"
     (di, ei), (do, eo) = next(iter(before.items())), next(iter(after.items()))
-    if ei != eo:
-        return "folds the token dim into another dim"
     shape_in = src.meta.get("example_value", src.meta.get("val")).shape  # type: ignore[union-attr]
     shape_out = node.meta.get("example_value", node.meta.get("val")).shape  # type: ignore[union-attr]
     prefix_in = [int(s) for s in shape_in[:di] if not isinstance(s, torch.SymInt)]
     prefix_out = [int(s) for s in shape_out[:do] if not isinstance(s, torch.SymInt)]
-    if len(prefix_in) != di or len(prefix_out) != do or _prod(prefix_in) != _prod(prefix_out):
+    if len(prefix_in) != di or len(prefix_out) != do or math.prod(prefix_in) != math.prod(prefix_out):
         return "moves data across token rows"
-    return None
-
-
-def _prod(xs: list[int]) -> int:
-    p = 1
-    for x in xs:
-        p *= x
-    return p
+    if ei == eo:
+        return None
+    inner_in = [int(s) for s in shape_in[di + 1:] if not isinstance(s, torch.SymInt)]
+    inner_out = [int(s) for s in shape_out[do + 1:] if not isinstance(s, torch.SymInt)]
+    (ci, rest_in), (co, rest_out) = ei.as_coeff_Mul(), eo.as_coeff_Mul()
+    if (rest_in == rest_out and len(inner_in) == len(shape_in) - di - 1
+            and len(inner_out) == len(shape_out) - do - 1
+            and ci * math.prod(inner_in) == co * math.prod(inner_out)):
+        return None  # token-major: token t's elements stay one contiguous block
+    return "folds the token dim into another dim"
 
 
 def getitem(node: torch.fx.Node) -> str | None:
@@ -298,7 +302,7 @@ RULES.update({"linear": linear, "matmul": matmul, "mm": matmul, "bmm": matmul, "
 _TORCH_MODULES = ("torch", "_operator", "operator", "builtins", "math")
 
 # Ops whose output aliases their first argument (a view of it, or the tensor itself).
-_VIEW_OPS = frozenset((
+VIEW_OPS = frozenset((
     "getitem", "view", "reshape", "narrow", "select", "transpose", "permute", "t", "unsqueeze", "squeeze",
     "expand", "expand_as", "as_strided", "diagonal", "unflatten", "flatten", "view_as", "reshape_as",
     "movedim", "swapaxes", "swapdims", "split", "chunk", "tensor_split", "unbind", "contiguous", "detach",
@@ -328,7 +332,7 @@ def written_input(node: torch.fx.Node) -> torch.fx.Node | None:
     if not in_place or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
     base = node.args[0]
-    while base.op in ("call_function", "call_method") and op_name(base) in _VIEW_OPS and base.args:
+    while base.op in ("call_function", "call_method") and op_name(base) in VIEW_OPS and base.args:
         if not isinstance(base.args[0], torch.fx.Node):
             return None
         base = base.args[0]

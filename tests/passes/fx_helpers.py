@@ -43,7 +43,9 @@ def dynamo_graph(
 
 
 def make_ctx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> PassContext:
-    """A fresh pass context for ``gm`` with ``options`` validated as the backend does."""
+    """A fresh pass context for ``gm`` with ``options`` validated as the backend does. Tiny graph segments
+    are not folded unless asked (``fold_graph_ops``): these tests look at one pass's own decisions."""
+    options = {"fold_graph_ops": 0, **options}
     return PassContext(config=PPBreakableConfig.from_options(options), example_inputs=list(example_inputs))
 
 

@@ -266,3 +266,71 @@ def test_a_vmap_region_with_a_break_is_one_break() -> None:
     runtime = ppcompile.stage_runtimes()[-1]
     vmap_breaks = [r for r in runtime.break_reasons if r.op.startswith("torch.vmap region")]
     assert len(vmap_breaks) == 1 and "_vmap_decrement_nesting" in vmap_breaks[0].op, runtime.describe()
+
+
+class _TwoMixes(torch.nn.Module):
+    """mix | ``views`` pairs of views and ``cheap_ops`` adds | mix, between two scalings."""
+
+    def __init__(self, cheap_ops: int, views: int = 0) -> None:
+        super().__init__()
+        self.cheap_ops, self.views = cheap_ops, views
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.pptest.mix(x * self.scale)
+        for _ in range(self.views):
+            y = y.view(-1, 2, 4).view(-1, 8)
+        for _ in range(self.cheap_ops):
+            y = y + 1
+        return torch.ops.pptest.mix(y) * self.scale
+
+
+def _two_mixes(cheap_ops: int, views: int = 0) -> Any:
+    return _TwoMixes(cheap_ops, views)
+
+
+@pytest.mark.parametrize(("cheap_ops", "views", "fold", "kinds"), [
+    (2, 0, 0, "gbgbg"),  # folding off
+    (2, 0, 2, "gbg"),  # two ops <= 2: folded into one break
+    (3, 0, 2, "gbgbg"),  # three ops > 2: kept
+    (1, 4, 1, "gbg"),  # views launch nothing: one op counts
+])
+def test_tiny_graph_segments_between_breaks_are_folded(
+    cheap_ops: int, views: int, fold: int, kinds: str
+) -> None:
+    f = _two_mixes(cheap_ops, views)
+    x = torch.randn(6, 8)
+    split, ex, ctx = _split(f, x, split_ops=["pptest::mix"], fold_graph_ops=fold)
+    assert _kinds(ctx.segments) == kinds
+    _check_records(split, ctx.segments)
+    if kinds == "gbg":
+        reason = ctx.segments[1].reason
+        assert reason is not None and reason.kind is BreakKind.USER_SPLIT_OP
+        assert "joined with the next break" in reason.detail and "add" in reason.detail
+    with torch.no_grad():
+        _assert_same(split(*ex), (f(x),))
+
+
+def test_folding_joins_layer_ids_and_keeps_the_first_and_last_graphs() -> None:
+    m = Attn((4, 5))
+    x = torch.randn(6, 8)
+    with attention_context(6, (4, 5)):
+        split, ex, ctx = _split(m, x, fold_graph_ops=100)
+        assert _kinds(ctx.segments) == "gbg"  # the graphs before the first and after the last break stay
+        assert ctx.segments[1].layer_ids == (4, 5)
+        with torch.no_grad():
+            _assert_same(split(*ex), (m(x),))
+
+
+def test_folded_breaks_equal_eager_off_buckets() -> None:
+    f = _two_mixes(2)
+    compiled = torch.compile(f, backend="pp_breakable",
+                             options={"capture_sizes": [8, 16], "split_ops": ["pptest::mix"]})
+    with torch.no_grad():
+        for n in (8, 5, 11):
+            x = torch.randn(n, 8)
+            if n == 8:
+                ppcompile.mark_token_dynamic(x)
+            with ppcompile.counters.expect(replays=1):
+                torch.testing.assert_close(compiled(x), f(x))
+    assert _kinds(ppcompile.stage_runtimes()[-1].segments) == "gbg"

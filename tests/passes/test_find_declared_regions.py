@@ -14,9 +14,9 @@ from torch import nn
 import ppcompile
 from ppcompile.passes import split_at_breaks as split_module
 from ppcompile.passes.check_padding_safety import check_padding_safety
-from ppcompile.passes.find_token_local_regions import find_token_local_regions
+from ppcompile.passes.find_declared_regions import find_declared_regions
 from ppcompile.records import BreakKind
-from ppcompile.token_local import is_declared, undeclare
+from ppcompile.regions import is_declared, undeclare
 
 H = 8
 CAPTURE = [8, 16]
@@ -198,4 +198,40 @@ def test_region_pass_runs_before_the_padding_check() -> None:
     from ppcompile.passes.manager import PASSES
 
     names = [p.__name__ for p in PASSES]
-    assert names.index(find_token_local_regions.__name__) < names.index(check_padding_safety.__name__)
+    assert names.index(find_declared_regions.__name__) < names.index(check_padding_safety.__name__)
+
+
+def chunked_cumsum(h: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """Pads the tokens to a multiple of ``chunk``, scans each chunk, unpads: row-mixing all through."""
+    pad = (chunk - h.shape[0] % chunk) % chunk
+    padded = torch.nn.functional.pad(h, (0, 0, 0, pad))
+    scanned = padded.view(-1, chunk, h.shape[1]).flip(1).cumsum(1).flip(1)
+    return (scanned.reshape(-1, h.shape[1]) * 0.5 + 1)[: h.shape[0]]
+
+
+class Chunked(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return chunked_cumsum(h)
+
+
+def test_an_eager_region_is_one_break_and_matches_eager() -> None:
+    ppcompile.eager_region(chunked_cumsum)
+    try:
+        runtime = _run(Stage(Chunked()), fold_graph_ops=0)
+    finally:
+        undeclare(chunked_cumsum)
+    assert [s.kind for s in runtime.segments] == ["graph", "break", "graph"], runtime.describe()
+    (reason,) = runtime.break_reasons
+    assert reason.kind is BreakKind.EAGER_REGION and "chunked_cumsum" in reason.op
+    assert "pad" in reason.op and "flip" in reason.op
+
+
+def test_without_the_declaration_the_scan_breaks_op_by_op() -> None:
+    runtime = _run(Stage(Chunked()), fold_graph_ops=0)
+    assert sum(not s.is_graph for s in runtime.segments) > 1, runtime.describe()
+    assert all(r.kind is not BreakKind.EAGER_REGION for r in runtime.break_reasons)
+
+
+def test_eager_region_takes_python_functions_only() -> None:
+    with pytest.raises(TypeError, match="Python function"):
+        ppcompile.eager_region(torch.relu)

@@ -1,4 +1,10 @@
-"""``ppcompile.token_local``: declare a module token-local as a whole.
+"""Regions of a stage declared by the user: token-local modules and eager functions.
+
+``ppcompile.token_local(module)``: the module is token-local as a whole (its ops stay in graphs).
+``ppcompile.eager_region(function)``: every op the function traces is one eager break (its ops would
+otherwise be many small breaks and graph segments: a chunked linear-attention kernel written in torch).
+
+**Token-local modules.**
 
 A module is *token-local* when row ``i`` of each of its outputs depends only on row ``i`` of its inputs
 along the token dim, however it computes that: a sparse-MoE block routes each token by its own row, sorts
@@ -19,11 +25,19 @@ that are not a bucket.
 
 Declaring a class covers every instance (matched by the module stack Dynamo records on each node);
 declaring an instance wraps its ``forward`` so that Dynamo annotates the nodes it traces inside it.
+
+**Eager regions.** A function declared with :func:`eager_region` is found by its frame in each node's
+stack trace (nothing is wrapped or patched): every op it traces, including the functions it calls, runs
+eagerly on the live rows as one break, however many of its ops could be graphed. For code that mixes
+token rows all through (a chunked scan that pads the tokens to a multiple of the chunk size, folds them
+into chunks and unfolds them), one break costs less than a break per row-mixing op with tiny graph
+segments between.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +45,14 @@ import torch
 import torch.fx.traceback
 from torch import nn
 
-__all__ = ["ANNOTATION_KEY", "declared_classes", "is_declared", "token_local", "undeclare"]
+__all__ = ["ANNOTATION_KEY", "declared_classes", "declared_functions", "eager_region", "is_declared",
+           "token_local", "undeclare"]
 
 ANNOTATION_KEY = "pp_token_local"
 """Key of ``node.meta["custom"]`` holding the declared instance's label."""
 
 _CLASSES: dict[type, str] = {}
+_FUNCTIONS: dict[tuple[str, str], str] = {}  # (file, function name) -> label
 
 
 def declared_classes() -> dict[type, str]:
@@ -79,9 +95,34 @@ def is_declared(module: nn.Module) -> bool:
     return type(module) in _CLASSES or getattr(module.forward, "__pp_token_local__", None) is not None
 
 
-def undeclare(target: type[nn.Module] | nn.Module) -> None:
+def declared_functions() -> dict[tuple[str, str], str]:
+    """Functions declared eager regions, as (source file, function name) -> label; a copy."""
+    return dict(_FUNCTIONS)
+
+
+def _code_of(function: Callable[..., Any]) -> Any:
+    inner = inspect.unwrap(function)  # decorators that keep __wrapped__
+    code = getattr(inner, "__code__", None)
+    if code is None:
+        raise TypeError(f"eager_region: expected a Python function, got {type(function).__name__} "
+                        f"{function!r} (torch ops: list them in the split_ops option)")
+    return code
+
+
+def eager_region(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Declares a Python function an eager region (see the module docstring); returns it unchanged, so it
+    also works as a decorator. Declare before the first call of the compiled stage."""
+    code = _code_of(function)
+    _FUNCTIONS[(code.co_filename, code.co_name)] = f"{function.__module__}.{function.__qualname__}"
+    return function
+
+
+def undeclare(target: type[nn.Module] | nn.Module | Callable[..., Any]) -> None:
     """Takes a declaration back (tests; an engine that swaps a block's implementation)."""
     if isinstance(target, type):
         _CLASSES.pop(target, None)
+    elif not isinstance(target, nn.Module):
+        code = _code_of(target)
+        _FUNCTIONS.pop((code.co_filename, code.co_name), None)
     elif getattr(target.forward, "__pp_token_local__", None) is not None:
         del target.forward  # the instance attribute: the class's forward shows again

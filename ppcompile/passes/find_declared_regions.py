@@ -1,5 +1,6 @@
-"""Pass ``find_token_local_regions``: which nodes belong to a module declared token-local as a whole.
+"""Pass ``find_declared_regions``: which nodes belong to a region the user declared.
 
+**Token-local modules.**
 ``ppcompile.token_local(module or class)`` vouches that a module's output rows depend only on the same
 input rows (a sparse-MoE block). Its ops are found by the module stack Dynamo records on every node
 (``meta["nn_module_stack"]``: path -> class, outermost first) for declared classes, and by the
@@ -20,6 +21,15 @@ After (same code)::
 
     sort.meta["pp_token_local"] == scatter.meta["pp_token_local"] == "moe (mymodel.Moe)"
     ctx.token_local_regions == ("moe (mymodel.Moe)",)
+
+**Eager regions.** Nodes whose stack trace passes through a function declared with
+``ppcompile.eager_region`` get ``meta["pp_eager_region"]`` (the function's name); ``split_at_breaks``
+makes each run of them one break. Before/after, with ``chunked_scan`` declared::
+
+    pad = torch.nn.functional.pad(x, (0, 0, 0, p))     # stack: ... in chunked_scan
+    out = linear(...)                                   # stack: ... in forward
+
+    pad.meta["pp_eager_region"] == "mymodel.chunked_scan";  "pp_eager_region" not in out.meta
 """
 
 from __future__ import annotations
@@ -31,13 +41,14 @@ from typing import Any
 import torch
 
 from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.token_local import ANNOTATION_KEY, declared_classes
+from ppcompile.regions import ANNOTATION_KEY, declared_classes, declared_functions
 
-__all__ = ["find_token_local_regions"]
+__all__ = ["find_declared_regions"]
 
 log = logging.getLogger(__name__)
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")  # Dynamo's source of the compiled module itself
+_FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
 
 
 def _class_label(cls: Any) -> str:
@@ -66,13 +77,27 @@ def _region_of(node: torch.fx.Node, classes: set[str]) -> str | None:
     return None
 
 
-def find_token_local_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Marks the nodes of declared token-local modules ``meta["pp_token_local"]``; fills
-    ``ctx.token_local_regions``."""
+def _eager_region_of(node: torch.fx.Node, functions: dict[tuple[str, str], str]) -> str | None:
+    """The declared function ``node`` was traced inside (the outermost on its stack), if any."""
+    for file, name in _FRAME.findall(node.meta.get("stack_trace") or ""):
+        label = functions.get((file, name))
+        if label is not None:
+            return label
+    return None
+
+
+def find_declared_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Marks the nodes of declared token-local modules ``meta["pp_token_local"]`` (fills
+    ``ctx.token_local_regions``) and those of declared eager functions ``meta["pp_eager_region"]``."""
     classes = set(declared_classes().values())
+    functions = declared_functions()
     names: dict[str, None] = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "get_attr"):
+            continue
+        eager = _eager_region_of(node, functions) if functions else None
+        if eager is not None:
+            node.meta["pp_eager_region"] = eager
             continue
         name = _region_of(node, classes)
         if name is not None:
