@@ -19,6 +19,7 @@ from ppcompile.runtime.executors import ReplayAddressError
 from ppcompile.runtime.stage_runtime import ConcurrentCallError
 from ppcompile.runtime.stale_outputs import StaleOutputError
 from ppcompile.runtime.validation import InputMismatchError
+from ppcompile.traffic import TokenHistogram, token_histogram
 
 __all__ = [
     "ConcurrentCallError",
@@ -28,6 +29,7 @@ __all__ = [
     "PaddingSafetyError",
     "ReplayAddressError",
     "StaleOutputError",
+    "TokenHistogram",
     "counters",
     "eager_region",
     "mark_token_dynamic",
@@ -35,6 +37,7 @@ __all__ = [
     "register_attention_op",
     "register_token_local_op",
     "stage_runtimes",
+    "token_histogram",
     "token_local",
 ]
 __version__ = "0.1.0"
