@@ -13,6 +13,7 @@ from ppcompile.dynamic import mark_token_dynamic
 from ppcompile.passes.check_padding_safety import PaddingSafetyError
 from ppcompile.passes.op_matching import register_attention_op
 from ppcompile.passes.token_locality import register_token_local_op
+from ppcompile.planning import plan_buckets
 from ppcompile.proxy import PPProxyTensors
 from ppcompile.regions import eager_region, token_local
 from ppcompile.runtime.executors import ReplayAddressError
@@ -33,6 +34,7 @@ __all__ = [
     "counters",
     "eager_region",
     "mark_token_dynamic",
+    "plan_buckets",
     "pp_breakable",
     "register_attention_op",
     "register_token_local_op",
