@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dump": ("ppcompile.debug.cli_dump", "compile one reference stage and write its dumps and report"),
     "report": ("ppcompile.debug.cli_report", "print the stage reports under a dump folder as tables"),
     "bench": ("ppcompile.bench_cli", "prefill benchmarks (throughput, wall vs busy, overhead) -> docs"),
+    "plan": ("ppcompile.cli_plan", "a bucket ladder planned from recorded traffic (a token histogram)"),
 }
 
 
