@@ -343,6 +343,10 @@ def _cards(report: dict[str, Any]) -> str:
          "measured (CUDA pool growth)"),
         (f"{100 * b['summary']['token_weighted_waste']:.1f}%", "padding waste (token-weighted)"),
     ]
+    traffic = report.get("traffic") or {}
+    if traffic.get("forwards"):
+        items.append((f"{100 * traffic['traffic_weighted_waste']:.1f}%",
+                      f"padding waste on the {traffic['forwards']} forwards served"))
     return "<div class='cards'>" + "".join(
         f"<div class='card'><div class='v'>{_e(v)}</div><div class='k'>{_e(k)}</div></div>" for v, k in items
     ) + "</div>"

@@ -200,6 +200,22 @@ def _config(runtime: StageRuntime) -> dict[str, Any]:
     return out
 
 
+def _traffic(runtime: StageRuntime) -> dict[str, Any]:
+    """The live token counts the stage served so far and the padding they cost with its buckets."""
+    from ppcompile.planning import evaluate_ladder
+
+    traffic = runtime.traffic
+    if not traffic.total:
+        return {"forwards": 0, "traffic_weighted_waste": None, "graphed_fraction": None, "counts": {}}
+    scored = evaluate_ladder(traffic, runtime.plan.sizes, max_padding_factor=runtime.plan.max_padding_factor)
+    return {
+        "forwards": traffic.total,
+        "traffic_weighted_waste": round(scored.padding_per_served_token, 4),
+        "graphed_fraction": round(scored.graphed_fraction, 4),
+        "counts": {str(n): c for n, c in sorted(traffic.counts().items())},
+    }
+
+
 def _padding(runtime: StageRuntime) -> dict[str, Any]:
     plan = runtime.plan
     rows = plan.padding_table()
@@ -329,6 +345,7 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
         "segments": _segments(runtime, names, info),
         "static_buffers": buffers,
         "buckets": _padding(runtime),
+        "traffic": _traffic(runtime),
         "captures": {
             "count": sum(r.graphs for r in records if r.failed is None),
             "runs": [dataclasses.asdict(r) for r in records],

@@ -114,6 +114,12 @@ def format_report(report: dict[str, Any], path: str = "") -> str:
         f"padding waste {100 * s['token_weighted_waste']:.1f}% token-weighted, worst "
         f"{100 * s['max_waste']:.0f}% at {s['max_waste_at']} tokens, {s['eager_at_or_below_cap']} count(s) "
         "at or below the cap run eagerly")
+    traffic = report.get("traffic") or {}
+    if traffic.get("forwards"):
+        lines.append(
+            f"traffic: {traffic['forwards']} forwards served, padding waste "
+            f"{100 * traffic['traffic_weighted_waste']:.1f}% per live token, "
+            f"{100 * traffic['graphed_fraction']:.0f}% graphed")
     compile_s = report.get("compile_times_s") or {}
     if compile_s:
         parts = [f"{k} {v:.2f} s" for k, v in compile_s.items() if not k.startswith("pass.")]

@@ -45,6 +45,7 @@ from ppcompile.runtime.program import Program, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import allocate, narrow_to
 from ppcompile.runtime.validation import aliased_slots, check_inputs, input_specs, storages_of
+from ppcompile.traffic import TokenHistogram, process_histogram
 
 __all__ = ["ConcurrentCallError", "StageRuntime"]
 
@@ -136,6 +137,8 @@ class StageRuntime:
         self.split_module: torch.fx.GraphModule | None = None
         self.segment_compiles: list[Any] = []
         self.compile_times: dict[str, float] = {}
+        # Live token counts served (a static graph has none); they also feed the process-wide histogram.
+        self.traffic = TokenHistogram(feeds=process_histogram())
         self.eager_reason = self._why_never_graphed(ctx)
         if self.eager_reason:
             log.info("%s: every forward runs eagerly: %s", name, self.eager_reason)
@@ -204,9 +207,12 @@ class StageRuntime:
         return self._call(args)
 
     def _call(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        if self.eager_reason is not None:
+        if self.token_symbol is None:  # concrete sizes: no token count to record or pad
             return self.run_eager(args)
         n = self.num_tokens(args)
+        self.traffic.record(n)
+        if self.eager_reason is not None:
+            return self.run_eager(args)
         b = self.plan.bucket(n)
         if b is None:
             return self.run_eager(args)

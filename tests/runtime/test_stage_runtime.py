@@ -19,6 +19,7 @@ from torch import nn
 
 import ppcompile
 from ppcompile import counters
+from ppcompile.debug import build_report, publish_report
 from ppcompile.models import REFERENCE_CONFIGS, make_forward_context, set_forward_context
 from ppcompile.runtime.codegen import make_graph_forward
 from ppcompile.runtime.executors import EagerExecutor, EmulatedGraphExecutor, ReplayAddressError
@@ -577,3 +578,27 @@ def test_debug_detects_reading_a_stale_output() -> None:
     _check(c, m, 6, seed=2)
     with pytest.raises(RuntimeError, match="stale"):
         _ = first + 0
+
+
+# ----------------------------------------------------------------------------------------- traffic
+def test_each_stage_records_the_token_counts_it_serves(tmp_path: Any) -> None:
+    """Graphed, padded-eager and above-the-cap forwards all count, per stage and process-wide; the report
+    scores the traffic against the stage's buckets."""
+    import json
+
+    before = ppcompile.token_histogram()
+    m = Stage()
+    c = _compile(m, dump_dir=str(tmp_path))
+    for n in (6, 5, 5, 1 + SIZES[-1], 3):  # not 8 first: Dynamo would specialise the width-8 duck size
+        _check(c, m, n)
+    rt = _runtime()
+    assert rt.traffic.counts() == {6: 1, 5: 2, 17: 1, 3: 1}
+    after = ppcompile.token_histogram().counts()
+    assert {n: after.get(n, 0) - before.counts().get(n, 0) for n in (3, 5, 6, 17)} == rt.traffic.counts()
+    report = build_report(rt)["traffic"]
+    assert report["forwards"] == 5 and report["counts"] == {"3": 1, "5": 2, "6": 1, "17": 1}
+    # 6 -> 8, 5 -> 8 twice, 3 -> 4: (2 + 3 + 3 + 1) padded rows over 6 + 5 + 5 + 3 live ones; 17: eager.
+    assert report["traffic_weighted_waste"] == round(9 / 19, 4) and report["graphed_fraction"] == 0.8
+    publish_report(rt)
+    (path,) = tmp_path.glob("*/report.json")
+    assert json.loads(path.read_text())["traffic"]["forwards"] == 5
