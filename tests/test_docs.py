@@ -17,5 +17,5 @@ def test_pass_reference_is_current() -> None:
 def test_readme_quick_start_matches_ci() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    test_command = "bash scripts/setup.sh && .venv/bin/python -m pytest"
+    test_command = "bash scripts/setup.sh && bash scripts/check.sh"
     assert test_command in readme and test_command in ci

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# What CI checks (after scripts/setup.sh): ruff and mypy clean, then the test suite. Arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/ruff check ppcompile tests bench scripts
+.venv/bin/mypy
+exec .venv/bin/python -m pytest "$@"
