@@ -307,3 +307,25 @@ def test_layers_as_nested_regions_trace_once_and_match(family: str) -> None:
     for rt in graphed:
         attention = [r for r in rt.break_reasons if r.kind is BreakKind.ATTENTION]
         assert len(attention) == 2  # two layers per stage, each split at its attention once inlined
+
+
+@pytest.mark.slow
+def test_hybrid_stages_equal_eager_at_every_token_count() -> None:
+    """Qwen3-Next (chunked linear attention padding to 64, MoE) at every count from 1 to past the cap:
+    every size that crosses segments is evaluated where it is read, whatever the count's residue."""
+    model = _model("qwen3_next")
+    options = {"capture_sizes": [16, 32, 64], "graph_mode": "emulate"}
+    stages = [torch.compile(s, backend="pp_breakable", options=options) for s in make_hf_stages(model, 2)]
+    with torch.inference_mode():
+        for n in range(1, 80):
+            ids, positions = _ids(n), torch.arange(n)
+            if n in (1, 16):  # 1 token is always a static graph; mark the dynamic one at 16
+                ppcompile.mark_token_dynamic(ids, positions)
+            proxies = stages[0](ids, positions)
+            if n == 16:
+                ppcompile.mark_token_dynamic(proxies)
+            logits = stages[1](None, positions, pp_proxy_tensors=proxies)
+            torch.testing.assert_close(logits, model(ids[None]).logits[0], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=n: f"{n} tokens: {m}")
+    # Counts from 9 to 64 whose bucket pads at most 2x take the graph path in both stages.
+    assert ppcompile.counters.replays >= 2 * (64 - 9)
