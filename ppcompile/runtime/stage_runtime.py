@@ -210,7 +210,8 @@ class StageRuntime:
         if self.token_symbol is None:  # concrete sizes: no token count to record or pad
             return self.run_eager(args)
         n = self.num_tokens(args)
-        self.traffic.record(n)
+        if n > 0:  # an empty batch is not traffic
+            self.traffic.record(n)
         if self.eager_reason is not None:
             return self.run_eager(args)
         b = self.plan.bucket(n)
