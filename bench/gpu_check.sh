@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check, sized for one H200 in under 10 minutes: the GPU tests, then the prefill benchmarks with
-# CUDA graphs (throughput, wall vs busy, runtime overhead). Everything lands in one folder, $OUT if set,
-# else bench/results/gpu: a log per step, the JSON results, the plot, summary.txt, and benchmarks.md
-# (a preview of the docs section). Back on any machine with the repo:
+# CUDA graphs (throughput, wall vs busy, runtime overhead), lazy vs full capture and the fold crossover.
+# Everything lands in one folder, $OUT if set, else bench/results/gpu: a log per step, the JSON results,
+# the plot, summary.txt, and benchmarks.md (a preview of the docs section). Back on any machine with the repo:
 #     python -m ppcompile bench --render <that folder>     # writes docs/benchmarks.md + plot
 #
 # Needs torch with CUDA (2.11+; triton for the Inductor paths) and no network. Without a CUDA device it
@@ -44,7 +44,7 @@ if [ "$dry" = 1 ]; then
   limits=(60 90 60)  # pytest, throughput + profile, overhead (seconds)
 else
   bench_args=(--device cuda --suite cuda)
-  limits=(90 330 60)
+  limits=(90 270 60)
   # The entry point makes the backend known to torch.compile without an import; PYTHONPATH covers the
   # rest if this fails (no network: no build isolation).
   "$py" -m pip install --no-deps --no-build-isolation -q -e . >"$results/pip.log" 2>&1 \
@@ -80,9 +80,12 @@ step throughput_profile "${limits[1]}" "$py" -m ppcompile bench --only throughpu
   --no-docs --budget-s "$((limits[1] - 60))" "${bench_args[@]}"
 step overhead "${limits[2]}" "$py" -m ppcompile bench --only overhead --out "$results" --no-docs \
   "${bench_args[@]}"
+# Startup: graphs captured and seconds of the first forward, and pool growth: all vs lazy vs planned.
+step lazy_capture 75 "$py" bench/lazy_capture.py --device "$([ "$dry" = 1 ] && echo cpu || echo cuda)"
+cp "$results/lazy_capture.log" "$results/lazy_capture.txt" 2>/dev/null
 # Where folding a tiny graph segment into its breaks stops paying (DEFAULT_FOLD_GRAPH_OPS follows it).
 if [ "$dry" = 1 ]; then fold_args=(--device cpu --graph-mode emulate --ks 1,2); else fold_args=(--device cuda); fi
-step fold_segments 60 "$py" bench/fold_segments.py "${fold_args[@]}"
+step fold_segments 45 "$py" bench/fold_segments.py "${fold_args[@]}"
 cp "$results/fold_segments.log" "$results/fold_segments.txt" 2>/dev/null
 "$py" -m ppcompile bench --render "$results" --docs-file "$results/benchmarks.md" 2>&1 | tee -a "$results/summary.txt"
 echo "gpu_check: done; results in $results (summary.txt, benchmarks.md)"

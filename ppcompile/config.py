@@ -24,6 +24,7 @@ DEFAULT_FOLD_GRAPH_OPS = 3
 eager break (measured crossover: docs/benchmarks.md, "Folding tiny graph segments")."""
 
 SEGMENT_COMPILERS = ("eager", "inductor")
+CAPTURE_POLICIES = ("all", "lazy")
 GRAPH_MODES = ("auto", "cuda", "emulate", "eager", "none")
 ON_UNSAFE = ("break", "error")
 
@@ -55,6 +56,12 @@ class PPBreakableConfig:
             ``"break"`` runs it eagerly on live rows, ``"error"`` fails the compile naming it.
         token_local_ops: ops to treat as token-local (row i of the outputs depends only on row i of
             the inputs) in addition to the known ones, as ``"namespace::op"`` strings or op objects.
+        capture: ``"all"`` captures every bucket at the first graph-path call (largest first);
+            ``"lazy"`` captures a bucket at the first call that needs it (one failed bucket then runs
+            eagerly while the others keep their graphs).
+        capture_budget_s: with ``capture="lazy"``, the first call also captures further buckets, in
+            order of the tokens the process served with each (``ppcompile.token_histogram()``), then
+            largest first, until this many seconds are spent; the rest stay lazy.
         fold_graph_ops: a graph segment between two breaks with at most this many kernel-launching ops
             (views and size arithmetic are free) runs eagerly, joining the breaks around it into one;
             0 keeps every graph segment.
@@ -75,6 +82,8 @@ class PPBreakableConfig:
     max_padding_factor: float = 2.0
     on_unsafe: str = "break"
     token_local_ops: tuple[Any, ...] = ()
+    capture: str = "all"
+    capture_budget_s: float | None = None
     fold_graph_ops: int = DEFAULT_FOLD_GRAPH_OPS
     dump_dir: str | None = None
     debug: bool = False
@@ -104,6 +113,15 @@ class PPBreakableConfig:
         mpf = self.max_padding_factor
         if isinstance(mpf, bool) or not isinstance(mpf, (int, float)) or not mpf >= 1.0:
             _bad("max_padding_factor", mpf, "a number >= 1.0")
+        if self.capture not in CAPTURE_POLICIES:
+            _bad("capture", self.capture, " | ".join(map(repr, CAPTURE_POLICIES)))
+        budget = self.capture_budget_s
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+                _bad("capture_budget_s", budget, "a number of seconds > 0, or None")
+            if self.capture != "lazy":
+                _bad("capture_budget_s", budget, "None unless capture is 'lazy' (with 'all' every bucket is "
+                     "captured at the first call)")
         fold = self.fold_graph_ops
         if isinstance(fold, bool) or not isinstance(fold, int) or fold < 0:
             _bad("fold_graph_ops", fold, "an int >= 0 (0: fold nothing)")

@@ -58,6 +58,8 @@ GOOD: dict[str, list[Any]] = {
     "on_unsafe": ["break", "error"],
     "token_local_ops": [[], ["mylib::rowwise"], (torch.relu,)],
     "fold_graph_ops": [0, 3, 100],
+    "capture": ["all", "lazy"],
+    "capture_budget_s": [None],  # a number needs capture="lazy": below
 }
 BAD: dict[str, list[Any]] = {
     "capture_sizes": [[], [0], [-4], [16, "32"], [2.0], [True], "16", 16, {16}],
@@ -75,7 +77,14 @@ BAD: dict[str, list[Any]] = {
     "on_unsafe": ["eager", "Error", None],
     "token_local_ops": ["mylib::rowwise", ["rowwise"], 3],
     "fold_graph_ops": [-1, 1.5, "3", True, None],
+    "capture": ["eager", "Lazy", None],
+    "capture_budget_s": [0, -1.0, "5", True, 5.0],  # 5.0: needs capture="lazy"
 }
+
+
+def test_a_capture_budget_goes_with_lazy_capture() -> None:
+    config = PPBreakableConfig.from_options({"capture": "lazy", "capture_budget_s": 2.5})
+    assert config.capture == "lazy" and config.capture_budget_s == 2.5
 
 
 def test_every_field_has_cases() -> None:

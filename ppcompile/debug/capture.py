@@ -75,7 +75,8 @@ class CaptureRecorder:
     """Times and measures one capture run of ``runtime`` (see module docstring)."""
 
     def __init__(
-        self, runtime: StageRuntime, graphs_per_bucket: int, held: Sequence[Any], start: float | None = None
+        self, runtime: StageRuntime, graphs_per_bucket: int, held: Sequence[Any], start: float | None = None,
+        buckets: int | None = None,
     ) -> None:
         self._runtime = weakref.ref(runtime)
         self._name = runtime.name
@@ -87,7 +88,8 @@ class CaptureRecorder:
         self._buckets: list[BucketCapture] = []
         self._start = self._last = time.perf_counter() if start is None else start
         self._reserved_start = self._reserved_last = _cuda_reserved(self._on_cuda)
-        self._progress = Progress(f"pp_breakable capture {self._name}", len(runtime.plan.sizes), "buckets")
+        total = len(runtime.plan.sizes) if buckets is None else buckets
+        self._progress = Progress(f"pp_breakable capture {self._name}", total, "buckets")
 
     def bucket_done(self, bucket: int, table: Sequence[Any]) -> None:
         """Records ``bucket`` as captured; ``table`` is its slot table (graph outputs filled in)."""

@@ -108,6 +108,11 @@ class GraphExecutor(abc.ABC):
         """Drops every captured graph and what it holds (after a failed capture: graphs are off)."""
         self._captured.clear()
 
+    def forget(self, bucket: int) -> None:
+        """Drops the graphs captured for ``bucket`` (its capture failed part way; it runs eagerly)."""
+        for key in [k for k in self._captured if k[1] == bucket]:
+            del self._captured[key]
+
     def _check_addresses(self, key: Key, args: Sequence[Any]) -> None:
         captured = self._captured[key].args
         for i, (got, want) in enumerate(zip(args, captured)):

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sympy
@@ -67,6 +67,7 @@ class _InstanceState:
     owner: int = 0  # thread ident of the call holding ``lock``
     storages: frozenset[int] | None = None  # static memory, for the aliased-input check
     tracker: OutputTracker | None = None  # debug: outputs handed out, expired at the next call
+    failed_buckets: dict[int, str] = dataclasses.field(default_factory=dict)  # capture="lazy" only
 
 
 class ConcurrentCallError(RuntimeError):
@@ -231,6 +232,8 @@ class StageRuntime:
             raise self._concurrent_call_error(state)
         state.owner = threading.get_ident()
         try:
+            if b not in state.tables and not self._capture_lazily(state, args, b):
+                return self.run_eager(args)
             return self._run_graphs(state, args, n, b)
         finally:
             state.lock.release()
@@ -392,7 +395,9 @@ class StageRuntime:
         return allocate(spec, traced[1] if traced is not None else None)
 
     def _capture(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> _InstanceState:
-        """Allocates static buffers and captures every (graph segment, bucket), largest bucket first."""
+        """Allocates static buffers; with ``capture="all"`` captures every (graph segment, bucket),
+        largest bucket first (one failure turns graphs off for the instance). ``"lazy"`` captures
+        nothing here: each bucket at its first use (``_capture_lazily``)."""
         program = self.program
         state = _InstanceState(
             executor=make_executor(self.graph_mode, self.config.debug),
@@ -403,15 +408,33 @@ class StageRuntime:
         env[self.token_symbol] = max(self.plan.sizes)
         state.input_buffers = {s: self._allocate(s, spec, env) for s, spec in program.input_buffers.items()}
         state.bridge_buffers = {s: self._allocate(s, spec, env) for s, spec in program.bridge_buffers.items()}
+        if self.config.capture == "all":
+            try:
+                self._capture_buckets(state, args, sorted(self.plan.sizes, reverse=True))
+            except BaseException as e:
+                state.failed = f"{type(e).__name__}: {e}"
+                state.tables.clear()
+                state.executor.release()
+                raise
+        return state
+
+    def _capture_buckets(self, state: _InstanceState, args: tuple[Any, ...], buckets: Sequence[int],
+                         budget_s: float | None = None) -> None:
+        """Captures each graph segment at each of ``buckets`` in order (all, or until ``budget_s`` is
+        spent after the first), filling ``state.tables``; raises on the first failure."""
+        program = self.program
+        env = self._env(args, self.num_tokens(args))
         graph_steps = [st for st in program.steps if st.segment.is_graph]
         start = time.perf_counter()
         from ppcompile.debug.capture import CaptureRecorder  # progress, time and memory per bucket
 
         held = (*state.input_buffers.values(), *state.bridge_buffers.values(), *state.module_state)
-        recorder = CaptureRecorder(self, len(graph_steps), held, start)
+        recorder = CaptureRecorder(self, len(graph_steps), held, start, buckets=len(buckets))
         try:
             with torch.no_grad(), state.executor.capture_session():
-                for b in sorted(self.plan.sizes, reverse=True):
+                for b in buckets:
+                    if state.tables and budget_s is not None and time.perf_counter() - start > budget_s:
+                        break
                     env[self.token_symbol] = b
                     table: list[Any] = [None] * program.num_slots
                     for i in (*self._state_slots, *self._scalar_slots):
@@ -445,15 +468,48 @@ class StageRuntime:
                                 if s >= 0:
                                     table[s] = None
                     state.tables[b] = table
+                    state.storages = None  # static memory grew: the aliased-input check recomputes it
                     recorder.bucket_done(b, table)
         except BaseException as e:
             recorder.abort(e)
-            state.failed = f"{type(e).__name__}: {e}"
-            state.tables.clear()
-            state.executor.release()
             raise
-        recorder.finish()  # logs the stage's capture time and memory; rewrites its report when dumping
-        return state
+        recorder.finish()  # logs the capture time and memory; rewrites the stage report when dumping
+
+    def _capture_lazily(self, state: _InstanceState, args: tuple[Any, ...], b: int) -> bool:
+        """``capture="lazy"``: captures bucket ``b`` at its first use (at the first call of the instance,
+        with a ``capture_budget_s``, more buckets in order of value until the budget is spent); True
+        when ``b`` can replay. A bucket whose capture fails runs eagerly from then on, one warning."""
+        if b in state.failed_buckets:
+            return False
+        order = [b]
+        budget = self.config.capture_budget_s
+        if budget is not None and not state.tables:
+            order += [s for s in self.bucket_values() if s != b]
+        try:
+            self._capture_buckets(state, args, order, budget)
+        except Exception as e:
+            state.failed_buckets[b] = f"{type(e).__name__}: {e}"
+            state.executor.forget(b)
+            self._warn_once(f"bucket {b}", "%s: capture of bucket %d failed, so the forwards it would serve "
+                            "run eagerly (the other buckets keep their graphs): %s", self.name, b,
+                            state.failed_buckets[b])
+            return False
+        return True
+
+    def bucket_values(self) -> list[int]:
+        """The buckets in the order a capture budget spends on them: by the live tokens the process has
+        served with each (``ppcompile.token_histogram()``, e.g. merged from a saved traffic file before
+        the first call), then largest first."""
+        served = dict.fromkeys(self.plan.sizes, 0)
+        for n, count in process_histogram().counts().items():
+            b = self.plan.bucket(n)
+            if b is not None:
+                served[b] += count * n
+        return sorted(self.plan.sizes, key=lambda s: (-served[s], -s))
+
+    def captured_buckets(self) -> dict[int, tuple[int, ...]]:
+        """Per module instance (in order of first call), the buckets captured so far."""
+        return {i: tuple(sorted(state.tables)) for i, state in enumerate(self._states.values())}
 
     # ----------------------------------------------------------------------------------- reports
     def describe(self) -> str:

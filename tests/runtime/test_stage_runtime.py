@@ -602,3 +602,70 @@ def test_each_stage_records_the_token_counts_it_serves(tmp_path: Any) -> None:
     publish_report(rt)
     (path,) = tmp_path.glob("*/report.json")
     assert json.loads(path.read_text())["traffic"]["forwards"] == 5
+
+
+# ----------------------------------------------------------------------------------------- capture policies
+@pytest.mark.parametrize("graph_mode", ["emulate", "eager"])
+def test_lazy_capture_captures_a_bucket_at_its_first_use(graph_mode: str) -> None:
+    m = Stage()
+    c = _compile(m, capture="lazy", graph_mode=graph_mode)
+    with counters.expect(captures=2, replays=1):  # two graph segments, one bucket
+        _check(c, m, 6)
+    rt = _runtime()
+    assert rt.captured_buckets() == {0: (8,)}
+    for n, new in ((7, 0), (3, 2), (12, 2), (5, 0), (16, 0), (2, 0)):  # buckets 8, 4, 16, 8, 16, 4
+        with counters.expect(captures=new, replays=1):
+            _check(c, m, n)
+    assert rt.captured_buckets() == {0: (4, 8, 16)}
+
+
+def test_a_capture_budget_spends_on_the_most_served_buckets_first() -> None:
+    from ppcompile.traffic import process_histogram
+
+    m = Stage()
+    c = _compile(m, capture="lazy", capture_budget_s=60.0)
+    with counters.expect(captures=6):  # the whole ladder fits the budget
+        _check(c, m, 6)
+    assert _runtime().captured_buckets() == {0: (4, 8, 16)}
+    traffic = process_histogram()
+    saved = traffic.copy()
+    traffic.reset()
+    try:
+        for n in [3] * 10 + [12] * 2:  # bucket 4 serves 30 tokens, bucket 16 serves 24
+            traffic.record(n)
+        assert _runtime().bucket_values() == [4, 16, 8]
+    finally:
+        traffic.reset()
+        traffic.merge(saved)
+
+
+def test_a_tiny_capture_budget_captures_the_needed_bucket_only() -> None:
+    m = Stage()
+    c = _compile(m, capture="lazy", capture_budget_s=1e-9)
+    with counters.expect(captures=2):
+        _check(c, m, 6)
+    assert _runtime().captured_buckets() == {0: (8,)}
+
+
+def test_a_failed_lazy_capture_leaves_the_other_buckets_serving(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    m = Stage()
+    c = _compile(m, capture="lazy")
+    _check(c, m, 6)
+    original = EmulatedGraphExecutor.capture
+
+    def fail_at_16(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+        if key[1] == 16:
+            raise RuntimeError("no memory for bucket 16")
+        return original(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_at_16)
+    for _ in range(2):
+        with counters.expect(replays=0, eager_runs=1):
+            _check(c, m, 12)
+    with counters.expect(replays=1, eager_runs=0):
+        _check(c, m, 7)
+    warnings = [r for r in caplog.records if "capture of bucket 16 failed" in r.getMessage()]
+    assert len(warnings) == 1 and "no memory for bucket 16" in warnings[0].getMessage()
+    assert _runtime().captured_buckets() == {0: (8,)}

@@ -1,0 +1,86 @@
+"""Startup with ``capture="all"`` vs ``capture="lazy"`` vs a planned ladder, on the reference 32-layer stage.
+
+The whole reference decoder (hidden 16, 32 layers) on one rank, default capture ladder (74 buckets up to
+8192) or a planned one; each policy in a fresh Dynamo state. Per policy: graphs captured and wall time of
+the first forward (compile + capture + run), of a second forward at another bucket, and graph memory
+(CUDA: the caching allocator's reserved-bytes growth; CPU: the runtime's static bytes).
+
+Run alone: ``python bench/lazy_capture.py [--device cpu|cuda]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+import ppcompile
+from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
+
+__all__ = ["run_policies"]
+
+REFERENCE = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=32, num_heads=2,
+                        num_kv_heads=1, head_dim=8, max_position=64)
+PLANNED = [16, 64, 256, 1024]  # a 4-bucket ladder, as a plan for short-prompt traffic might give
+
+
+def _forward(compiled: Any, cfg: ModelConfig, lens: list[int], device: str, first: bool) -> float:
+    ids, pos, proxies = make_batch(cfg, lens, 0, 1, seed=len(lens))
+    ids, pos = ids.to(device), pos.to(device)
+    if first:
+        ppcompile.mark_token_dynamic(ids, pos)
+    start = time.perf_counter()
+    with torch.inference_mode(), set_forward_context(make_forward_context(lens, cfg, range(cfg.num_layers),
+                                                                         device=device)):
+        compiled(ids, pos, proxies)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_policies(device: str) -> list[dict[str, Any]]:
+    rows = []
+    policies = [("all", {}), ("lazy", {"capture": "lazy"}),
+                ("planned, all", {"capture_sizes": PLANNED})]
+    for name, options in policies:
+        torch._dynamo.reset()
+        stage = make_stage(REFERENCE, 0, 1).to(device)
+        compiled = torch.compile(stage, backend="pp_breakable", options={"graph_mode": "auto", **options})
+        reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
+        before = ppcompile.counters.captures
+        first = _forward(compiled, REFERENCE, [5, 6], device, first=True)
+        first_captures = ppcompile.counters.captures - before
+        second = _forward(compiled, REFERENCE, [40, 30], device, first=False)
+        runtime = ppcompile.stage_runtimes()[-1]
+        memory = (torch.cuda.memory_reserved() - reserved) if device == "cuda" else runtime.static_bytes()
+        second_captures = ppcompile.counters.captures - before - first_captures
+        rows.append({"policy": name, "buckets": len(runtime.plan.sizes), "first_captures": first_captures,
+                     "first_s": first, "second_captures": second_captures, "second_s": second,
+                     "memory_bytes": memory})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = run_policies(args.device)
+    print("| policy | buckets | graphs captured by the 1st forward | 1st forward s | graphs captured by "
+          "the 2nd (other bucket) | 2nd forward s | graph memory MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['policy']} | {r['buckets']} | {r['first_captures']} | {r['first_s']:.2f} | "
+              f"{r['second_captures']} | {r['second_s']:.3f} | {r['memory_bytes'] / 2**20:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
