@@ -1,5 +1,6 @@
 """``python -m ppcompile plan --traffic FILE --max-buckets K``: a bucket ladder planned from recorded
-traffic.
+traffic. ``--probe`` measures ``graph_gain_tokens`` on this device first (``ppcompile.gain_probe``) and
+plans with it (or only prints it, without ``--traffic``).
 
 FILE is a token histogram in JSON (``TokenHistogram.save``, e.g. of ``ppcompile.token_histogram()``
 merged over ranks). Prints the planned ladder next to the default ladder up to the same cap (cost,
@@ -15,18 +16,21 @@ import json
 import sys
 from collections.abc import Mapping
 
+import torch
+
 from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS
 from ppcompile.debug.table import format_table
+from ppcompile.gain_probe import GainProbe, probe_graph_gain
 from ppcompile.planning import DEFAULT_GRAPH_GAIN_TOKENS, LadderPlan, evaluate_ladder, plan_buckets
 from ppcompile.runtime.buckets import default_capture_ladder
 from ppcompile.traffic import TokenHistogram
 
-__all__ = ["add_arguments", "compare", "format_comparison", "run"]
+__all__ = ["add_arguments", "compare", "format_comparison", "format_probe", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The plan command's options."""
-    parser.add_argument("--traffic", required=True, metavar="FILE",
+    parser.add_argument("--traffic", metavar="FILE",
                         help="token histogram JSON (TokenHistogram.save / ppcompile.token_histogram())")
     parser.add_argument("--max-buckets", type=int, default=16, help="most buckets to capture (default 16)")
     parser.add_argument("--cap", type=int, default=None,
@@ -37,10 +41,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of compute one replay saves over eager (default "
                              f"{DEFAULT_GRAPH_GAIN_TOKENS}: the seed's figures, docs/benchmarks.md)")
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    parser.add_argument("--probe", action="store_true",
+                        help="measure graph_gain_tokens on this device (eager vs graphed forwards of a "
+                             "reference stage) and plan with it")
+    parser.add_argument("--probe-sizes", default="16,32,64,128", help="token counts the probe times")
+    parser.add_argument("--probe-model", default="tiny", help="reference model of the probe stage")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device of the probe (default: cuda when available)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Plans and prints; exits 2 on a missing or malformed traffic file or a bad option."""
+    if args.traffic is None and not args.probe:
+        return _fail("give --traffic FILE (a token histogram to plan from), --probe, or both")
+    if args.probe:
+        try:
+            sizes = [int(s) for s in args.probe_sizes.split(",")]
+            probe = probe_graph_gain(sizes, model=args.probe_model, device=args.device)
+        except ValueError as e:
+            return _fail(f"--probe: {e}")
+        print(format_probe(probe))
+        args.graph_gain_tokens = max(0.0, probe.graph_gain_tokens)  # below 0: graphs do not pay here
+        if probe.graph_gain_tokens < 0:
+            print("the probe measured graphs slower than eager; planning with graph_gain_tokens = 0")
+        if args.traffic is None:
+            return 0
+        print()
     try:
         histogram = TokenHistogram.load(args.traffic)
     except OSError as e:
@@ -97,6 +123,17 @@ def format_comparison(histogram: TokenHistogram, plans: Mapping[str, LadderPlan]
     if "planned" in plans:
         lines += ["", "torch.compile options: " + json.dumps(plans["planned"].options())]
     return "\n".join(lines)
+
+
+def format_probe(probe: GainProbe) -> str:
+    """The probe's timings per size and the gain they imply."""
+    rows = [(n, f"{1e3 * e:.3f}", f"{1e3 * g:.3f}", f"{gain:.0f}")
+            for n, e, g, gain in zip(probe.sizes, probe.eager_s, probe.graph_s, probe.gain_tokens)]
+    table = format_table(["tokens", "eager ms", "graphed ms", "gain (tokens)"], rows, right=(0, 1, 2, 3))
+    note = ("" if probe.graph_mode == "cuda" else
+            f"\n(graph mode {probe.graph_mode}: no real graphs here, so the gain is not the one a GPU gives)")
+    return (f"probe on {probe.device}, graph mode {probe.graph_mode}: {1e6 * probe.seconds_per_token:.3f} us "
+            f"per token (graphed)\n{table}\ngraph_gain_tokens = {probe.graph_gain_tokens:.0f}{note}")
 
 
 def _sizes(sizes: tuple[int, ...]) -> str:

@@ -66,3 +66,23 @@ def test_missing_or_malformed_traffic_exits_2(tmp_path: Path, capsys: pytest.Cap
 def test_bad_option_exits_2(traffic: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--traffic", str(traffic), "--max-padding-factor", "0.5"]) == 2
     assert "max_padding_factor must be a finite number >= 1.0" in capsys.readouterr().err
+
+
+def test_probe_measures_a_gain_and_plans_with_it(traffic: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On CPU the emulation saves nothing, so the probed gain is small; the plan uses it."""
+    from ppcompile.gain_probe import probe_graph_gain
+
+    probe = probe_graph_gain([4, 8], calls=2)
+    assert probe.sizes == (4, 8) and len(probe.gain_tokens) == 2 and probe.graph_mode == "emulate"
+    assert probe.seconds_per_token > 0 and all(t > 0 for t in (*probe.eager_s, *probe.graph_s))
+    code = main(["plan", "--probe", "--probe-sizes", "4,8", "--traffic", str(traffic), "--max-buckets", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "graph_gain_tokens = " in out and "no real graphs here" in out
+    assert "cost model: padding minus" in out and "padding minus 3900 tokens" not in out  # not the default
+
+
+def test_plan_needs_traffic_or_a_probe(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan"]) == 2
+    assert "--traffic" in capsys.readouterr().err
+    assert main(["plan", "--probe", "--probe-sizes", "8"]) == 2
+    assert "two or more sizes" in capsys.readouterr().err
