@@ -14,7 +14,8 @@ from typing import Any
 
 from ppcompile import envs
 
-__all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PPBreakableConfig"]
+__all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PPBreakableConfig",
+           "default_capture_ladder"]
 
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
 """Last size where the seed engine change measured graphs ahead of eager on a PP stage."""
@@ -27,6 +28,26 @@ SEGMENT_COMPILERS = ("eager", "inductor")
 CAPTURE_POLICIES = ("all", "lazy")
 GRAPH_MODES = ("auto", "cuda", "emulate", "eager", "none")
 ON_UNSAFE = ("break", "error")
+
+
+_DENSE_LIMIT = 32
+_STEPS_PER_OCTAVE = 8
+
+
+def default_capture_ladder(max_tokens: int) -> tuple[int, ...]:
+    """The default bucket sizes up to and including ``max_tokens``."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    sizes = [1, 2, *range(4, _DENSE_LIMIT + 1, 4)]
+    octave = _DENSE_LIMIT
+    while octave < max_tokens:
+        step = octave // _STEPS_PER_OCTAVE
+        sizes.extend(range(octave + step, 2 * octave + 1, step))
+        octave *= 2
+    ladder = [s for s in sizes if s <= max_tokens]
+    if ladder[-1] != max_tokens:
+        ladder.append(max_tokens)
+    return tuple(ladder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +165,6 @@ class PPBreakableConfig:
         if self.segment_compiler != "inductor":
             _bad("compile_sizes", sizes, "[] unless segment_compiler is 'inductor' (eager segments "
                  "have nothing to specialise)")
-        from ppcompile.runtime.buckets import default_capture_ladder  # buckets imports this module
-
         buckets = self.capture_sizes or default_capture_ladder(self.max_capture_tokens)
         missing = [s for s in sizes if s not in buckets]
         if missing:

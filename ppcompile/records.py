@@ -20,7 +20,6 @@ class BreakKind(str, enum.Enum):
     HOST_SCALAR = "host scalar argument"
     NO_TENSOR_OUTPUTS = "no tensor outputs"
     EAGER_REGION = "declared eager region"
-    OTHER = "other"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,24 +6,30 @@ and registered on ``import ppcompile`` as well.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
+from ppcompile.debug.capture import CaptureRecorder
+from ppcompile.debug.report import on_stage_compiled, publish_report
+from ppcompile.lowering import lower_stage
 from ppcompile.passes.context import PassContext
 from ppcompile.passes.manager import run_passes
-from ppcompile.runtime.buckets import make_bucket_plan
-from ppcompile.runtime.program import build_program
 from ppcompile.runtime.stage_runtime import StageRuntime
-from ppcompile.symbolic import holds_at
 
 from .float_attributes import tensorify_float_attributes
-from .segment_compilers import compile_segments, compile_times, dynamo_trace_seconds
+from .segment_compilers import (
+    compile_segments,
+    compile_times,
+    dynamo_trace_seconds,
+    segments_skip_size_asserts,
+)
 
 __all__ = ["pp_breakable", "stage_runtimes"]
 
@@ -58,15 +64,6 @@ def _resolve_graph_mode(config: PPBreakableConfig, example_inputs: list[Any]) ->
     return mode
 
 
-def _admitted_by(ctx: PassContext) -> Callable[[int], bool] | None:
-    """Which bucket sizes the stage graph can run at: those where its shape guards on the token count hold
-    (a graph Dynamo traced for ``n % 16 == 15`` has sizes simplified for such counts only)."""
-    token, guards = ctx.token_symbol, ctx.token_guards
-    if token is None or not guards:
-        return None
-    return lambda size: holds_at(guards, token, size)
-
-
 def pp_breakable(
     gm: torch.fx.GraphModule,
     example_inputs: list[Any],
@@ -83,21 +80,15 @@ def pp_breakable(
     ctx = PassContext(config=config, example_inputs=list(example_inputs), graph_name=name)
     split = run_passes(gm, ctx)
     compiled, segment_compiles = compile_segments(split, ctx)
-    program = build_program(split, ctx, compiled)
-    runtime = StageRuntime(
-        name=name,
-        program=program,
-        ctx=ctx,
-        plan=make_bucket_plan(config, _admitted_by(ctx)),
-        graph_mode=_resolve_graph_mode(config, example_inputs),
-        config=config,
+    stage = lower_stage(
+        name, split, ctx, compiled, config, _resolve_graph_mode(config, example_inputs),
+        skip_size_asserts=segments_skip_size_asserts(config),
+        segment_compiles=tuple(segment_compiles),
+        compile_times=compile_times(dynamo_seconds, ctx, segment_compiles),
     )
-    runtime.split_module = split
-    runtime.segment_compiles = segment_compiles
-    runtime.compile_times = compile_times(dynamo_seconds, ctx, segment_compiles)
+    observer = functools.partial(CaptureRecorder, on_finish=publish_report)  # capture runs -> debug
+    runtime = StageRuntime(stage, config, observer=observer)
     _RUNTIMES.append(weakref.ref(runtime))
-    from ppcompile.debug.report import on_stage_compiled  # split/segment dumps, report, TORCH_TRACE
-
-    on_stage_compiled(runtime, split, ctx)
+    on_stage_compiled(runtime, split, ctx)  # split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())
     return runtime

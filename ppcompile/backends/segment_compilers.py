@@ -47,7 +47,6 @@ __all__ = [
     "SegmentCompile",
     "SizeDispatch",
     "clear_segment_cache",
-    "compile_segment",
     "compile_segments",
     "compile_times",
     "dynamo_trace_seconds",
@@ -335,15 +334,6 @@ class SizeDispatch:
         a = args[self.slot]
         n = int(a) if self.dim < 0 else a.shape[self.dim]
         return self.by_size.get(n, self.general)(*args)
-
-
-def compile_segment(gm: torch.fx.GraphModule, compiler: str) -> SegmentFn:
-    """Compiles one graph segment with the named segment compiler (no sharing, no specialisation)."""
-    if compiler == "eager":
-        return gm
-    if compiler == "inductor":
-        return _compile_symbolic(gm)
-    raise ValueError(f"pp_breakable: unknown segment compiler {compiler!r}; valid: 'eager' | 'inductor'")
 
 
 def _generated_forward(gm: torch.fx.GraphModule) -> SegmentFn:

@@ -1,9 +1,10 @@
 """Capture bookkeeping: time and memory per bucket, progress, and the records the reports read.
 
-``StageRuntime._capture`` makes one :class:`CaptureRecorder` per capture run (one per module instance)
-and tells it when each bucket is done; the recorder logs (``DEBUG`` per bucket, ``INFO`` per stage),
-drives the progress bar, keeps a :class:`CaptureRecord` per runtime, and rewrites the stage report when
-dumping is on (capture happens at the first graph-path call, after the compile-time report).
+The backend hands ``StageRuntime`` this class as its capture observer (``runtime/observer.py``): the
+runtime makes one :class:`CaptureRecorder` per capture run and tells it when each bucket is done; the
+recorder logs (``DEBUG`` per bucket, ``INFO`` per stage), drives the progress bar, keeps a
+:class:`CaptureRecord` per runtime, and calls ``on_finish`` (the stage report's rewrite: capture happens
+at the first graph-path call, after the compile-time report).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,9 +77,10 @@ class CaptureRecorder:
 
     def __init__(
         self, runtime: StageRuntime, graphs_per_bucket: int, held: Sequence[Any], start: float | None = None,
-        buckets: int | None = None,
+        buckets: int | None = None, on_finish: Callable[[StageRuntime], Any] | None = None,
     ) -> None:
         self._runtime = weakref.ref(runtime)
+        self._on_finish = on_finish  # after a successful run: the backend wires the report rewrite
         self._name = runtime.name
         self._mode = runtime.graph_mode
         self._graphs_per_bucket = graphs_per_bucket
@@ -146,11 +148,9 @@ class CaptureRecorder:
             summary += f"; slowest bucket {slowest.bucket} ({1e3 * slowest.seconds:.1f} ms)"
         self._progress.finish(summary)
         runtime = self._runtime()
-        if runtime is not None:
-            from ppcompile.debug.report import publish_report
-
+        if runtime is not None and self._on_finish is not None:
             try:
-                publish_report(runtime)
+                self._on_finish(runtime)
             except Exception:  # a report is never worth failing a forward for
                 log.warning("%s: could not rewrite the stage report after capture", self._name, exc_info=True)
         return record

@@ -11,7 +11,7 @@ import torch
 from ppcompile.config import PPBreakableConfig
 from ppcompile.records import InputKind, Segment, StaticBuffer
 
-__all__ = ["OutputTrim", "PassContext", "PassResult", "StaticInputPlan"]
+__all__ = ["PassContext", "PassResult", "StaticInputPlan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +31,6 @@ class StaticInputPlan:
     size_exprs: tuple[sympy.Expr, ...]  # the input's shape in terms of the symbols
 
 
-@dataclasses.dataclass(frozen=True)
-class OutputTrim:
-    """How one stage output gets back to its live size: the dims to narrow and their size exprs."""
-
-    output_index: int
-    dims: tuple[tuple[int, sympy.Expr], ...]
-
-
 @dataclasses.dataclass
 class PassContext:
     """Facts established by the passes, in the order they run.
@@ -46,8 +38,8 @@ class PassContext:
     ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input`` and ``token_guards``;
     ``find_declared_regions`` fills ``token_local_regions``;
     ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``split_at_breaks`` fills
-    ``segments``; ``lift_static_inputs`` fills ``static_inputs`` and ``bridges``;
-    ``plan_output_trim`` fills ``trims``.
+    ``segments``; ``lift_static_inputs`` fills ``static_inputs`` and ``bridges``. Outputs are trimmed by
+    their token dims (node meta), which ``lowering.build_program`` reads.
     """
 
     config: PPBreakableConfig
@@ -66,7 +58,6 @@ class PassContext:
     segments: list[Segment] = dataclasses.field(default_factory=list)
     static_inputs: list[StaticInputPlan] = dataclasses.field(default_factory=list)
     bridges: dict[str, StaticBuffer] = dataclasses.field(default_factory=dict)
-    trims: list[OutputTrim] = dataclasses.field(default_factory=list)
     pass_times: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property

@@ -20,7 +20,6 @@ from ppcompile.passes.find_declared_regions import find_declared_regions
 from ppcompile.passes.find_token_dims import find_token_dims
 from ppcompile.passes.inline_nested_regions import inline_nested_regions
 from ppcompile.passes.lift_static_inputs import lift_static_inputs
-from ppcompile.passes.plan_output_trim import plan_output_trim
 from ppcompile.passes.split_at_breaks import split_at_breaks
 
 __all__ = ["PASSES", "PassError", "run_passes"]
@@ -47,8 +46,6 @@ PASSES: tuple[Pass, ...] = (
     split_at_breaks,
     # Needs the segments: only inputs that graph segments read are lifted.
     lift_static_inputs,
-    # Needs the split graph's outputs and their token dims.
-    plan_output_trim,
 )
 
 

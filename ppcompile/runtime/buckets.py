@@ -1,9 +1,10 @@
 """Token buckets: which sizes are captured, and which bucket (or eager) serves a token count.
 
-The default ladder is dense for small counts and geometric above 32 tokens, with 8 buckets per octave,
-so padding waste above 32 tokens stays under 12.5%: ``1, 2, 4, 8, 12, ..., 32, 36, 40, ..., 64, 72, ...,
-128, 144, ..., 4096, 4608, ..., 8192``. It stops at ``max_capture_tokens`` (which is appended when it is
-off the grid, so a forward at exactly the cap is graphed). Explicit ``capture_sizes`` replace it.
+The default ladder (``config.default_capture_ladder``, policy that the options validate against) is
+dense for small counts and geometric above 32 tokens, with 8 buckets per octave, so padding waste above 32
+tokens stays under 12.5%: ``1, 2, 4, 8, 12, ..., 32, 36, 40, ..., 64, 72, ..., 128, 144, ..., 4096, 4608,
+..., 8192``. It stops at ``max_capture_tokens`` (which is appended when it is off the grid, so a forward
+at exactly the cap is graphed). Explicit ``capture_sizes`` replace it.
 """
 
 from __future__ import annotations
@@ -11,29 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ppcompile.config import PPBreakableConfig
+from ppcompile.config import PPBreakableConfig, default_capture_ladder
 
 __all__ = ["BucketPlan", "default_capture_ladder", "make_bucket_plan"]
-
-_DENSE_LIMIT = 32
-_STEPS_PER_OCTAVE = 8
-
-
-def default_capture_ladder(max_tokens: int) -> tuple[int, ...]:
-    """The default bucket sizes up to and including ``max_tokens``."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    sizes = [1, 2, *range(4, _DENSE_LIMIT + 1, 4)]
-    octave = _DENSE_LIMIT
-    while octave < max_tokens:
-        step = octave // _STEPS_PER_OCTAVE
-        sizes.extend(range(octave + step, 2 * octave + 1, step))
-        octave *= 2
-    ladder = [s for s in sizes if s <= max_tokens]
-    if ladder[-1] != max_tokens:
-        ladder.append(max_tokens)
-    return tuple(ladder)
-
 
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:

@@ -32,19 +32,17 @@ from typing import Any
 import sympy
 import torch
 
-from ppcompile.backends.segment_compilers import segments_skip_size_asserts
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
-from ppcompile.passes.context import PassContext
-from ppcompile.records import InputKind
-from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.codegen import GraphForward, make_graph_forward, make_live_forward, replay_passes_args
+from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.executors import GraphExecutor, make_executor
-from ppcompile.runtime.layout_checks import check_static_layout, checked_values, static_layouts
-from ppcompile.runtime.program import Program, Ref
+from ppcompile.runtime.layout_checks import check_static_layout, static_layouts
+from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver
+from ppcompile.runtime.program import Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import allocate, narrow_to
-from ppcompile.runtime.validation import aliased_slots, check_inputs, input_specs, storages_of
+from ppcompile.runtime.validation import aliased_slots, check_inputs, storages_of
 from ppcompile.traffic import TokenHistogram, process_histogram
 
 __all__ = ["ConcurrentCallError", "StageRuntime"]
@@ -84,94 +82,51 @@ def _add_note(e: BaseException, note: str) -> None:
 class StageRuntime:
     """The callable the ``pp_breakable`` backend hands back to Dynamo for one stage graph."""
 
-    def __init__(
-        self,
-        name: str,
-        program: Program,
-        ctx: PassContext,
-        plan: BucketPlan,
-        graph_mode: str,
-        config: PPBreakableConfig,
-    ) -> None:
-        self.name = name
-        self.program = program
-        self.plan = plan
-        self.graph_mode = graph_mode
+    def __init__(self, compiled: CompiledStage, config: PPBreakableConfig,
+                 observer: CaptureObserver | None = None) -> None:
+        """``compiled``: everything the compile side decided (frozen); ``observer``: told about each capture
+        run (``runtime/observer.py``; the backend wires up the debug recorder)."""
+        self.compiled = compiled
         self.config = config
-        self.segments = ctx.segments
-        self.break_reasons = [s.reason for s in ctx.segments if s.reason is not None]
-        self.layer_ids = ctx.layer_ids
-        self.static_inputs = ctx.static_inputs
-        self.trims = ctx.trims
-        self.token_symbol: sympy.Symbol | None = ctx.token_symbol
-        self._state_slots = tuple(i for i, k in enumerate(ctx.input_kinds) if k is InputKind.MODULE_STATE)
-        self._scalar_slots = tuple(i for i, k in enumerate(ctx.input_kinds) if k is InputKind.CONSTANT_SCALAR)
-        self._symbol_slots = tuple(
-            (i, e) for i, e in ctx.symint_inputs.items() if isinstance(e, sympy.Symbol)
-        )
-        self._token_slot = next((i for i, e in self._symbol_slots if e == ctx.token_symbol), None)
-        self._token_input = ctx.token_input
+        self._observer = observer or NO_OBSERVER
+        self.name = compiled.name
+        self.program = compiled.program
+        self.plan = compiled.plan
+        self.graph_mode = compiled.graph_mode
+        self.segments = list(compiled.segments)
+        self.break_reasons = compiled.break_reasons
+        self.layer_ids = compiled.layer_ids
+        self.token_symbol: sympy.Symbol | None = compiled.token_symbol
+        self.eager_reason = compiled.eager_reason
+        self.split_module = compiled.split_module
+        self.segment_compiles = compiled.segment_compiles
+        self.compile_times = compiled.compile_times
+        self._state_slots = compiled.state_slots
+        self._scalar_slots = compiled.scalar_slots
+        self._symbol_slots = compiled.symbol_slots
+        self._token_slot = compiled.token_slot
+        self._token_input = compiled.token_input
+        self._tensor_slots = compiled.tensor_slots
+        self._input_specs = compiled.input_specs
         self._states: dict[tuple[Any, ...], _InstanceState] = {}
-        self._tensor_slots = tuple(i for i, k in enumerate(ctx.input_kinds) if k is InputKind.TENSOR)
-        known = {e for _, e in self._symbol_slots} | ({ctx.token_symbol} if ctx.token_symbol else set())
-        # Inductor segments compiled without input asserts: what they read at the live size that
-        # neither Dynamo's guards nor another compiled segment vouches for is checked (layout_checks.py).
-        checked = (checked_values(program, self._tensor_slots, known)
-                   if segments_skip_size_asserts(config) and not ctx.is_static else [])
-        self._live_forward = make_live_forward(program, name, checked)
+        self._live_forward = make_live_forward(self.program, self.name, compiled.live_checks)
         # Compiled segments read static buffers with the strides they were compiled for: buffers keep the
         # traced dim order, checked per bucket at capture. Eager segments read any layout.
-        compiled = config.segment_compiler != "eager" and not ctx.is_static
-        self._static_layouts = static_layouts(program) if compiled else {}
+        self._static_layouts = static_layouts(self.program) if compiled.traced_strides else {}
         self._graph_forwards: dict[tuple[bool, bool], GraphForward] = {}  # by (binds inputs, pass args)
-        self._owned_slots = frozenset(s for st in program.steps if st.segment.is_graph for s in st.live_views)
+        self._owned_slots = frozenset(s for st in self.program.steps if st.segment.is_graph
+                                      for s in st.live_views)
         self._warned: set[str] = set()
         # Reliability (docs/reliability.md): input checks, aliased inputs, debug stale-output tracking.
-        self._input_specs = input_specs(ctx.static_inputs, known)
         self._token_source = self._describe_token_source()
         self._capture_lock = threading.RLock()
         self._debug = config.debug
         self._own_outputs = config.owned_outputs or config.debug
         self._track_outputs = config.debug and not config.owned_outputs
-        # Set by the backend after construction: the split module, one record per graph segment's
-        # compile (backends.segment_compilers.SegmentCompile) and seconds per compile phase.
-        self.split_module: torch.fx.GraphModule | None = None
-        self.segment_compiles: list[Any] = []
-        self.compile_times: dict[str, float] = {}
         # Live token counts served (a static graph has none); they also feed the process-wide histogram.
         self.traffic = TokenHistogram(feeds=process_histogram())
-        self.eager_reason = self._why_never_graphed(ctx)
         if self.eager_reason:
-            log.info("%s: every forward runs eagerly: %s", name, self.eager_reason)
-
-    # ----------------------------------------------------------------------------------- policy
-    def _why_never_graphed(self, ctx: PassContext) -> str | None:
-        if ctx.is_static:
-            return (
-                "Dynamo traced concrete token sizes: it always does for a 1-token batch, for the first "
-                "call with dynamic=None, and when the first token count equals another dim of the inputs "
-                "(duck sizing); mark the token dims with torch._dynamo.mark_dynamic(t, 0) to avoid the "
-                "last two"
-            )
-        if not ctx.eligible:
-            return ctx.ineligible_reason
-        if self.graph_mode == "none":
-            return ("graph_mode='none': the segments run at the live token count, with no graphs, "
-                    "padding or static buffers")
-        kinds = ctx.input_kinds
-        for st in self.program.steps:
-            if not st.segment.is_graph:
-                continue
-            for r in st.args:
-                readable = (InputKind.MODULE_STATE, InputKind.TENSOR, InputKind.CONSTANT_SCALAR)
-                if 0 <= r.slot < len(kinds) and kinds[r.slot] not in readable:
-                    return f"graph segment {st.segment.name} reads a non-tensor input (slot {r.slot})"
-        if not any(st.segment.is_graph for st in self.program.steps):
-            return "the stage has no graph segments"
-        if not self.plan.sizes:
-            return (f"no capture size is a token count the stage graph was traced for (Dynamo's shape "
-                    f"guards fail at {', '.join(map(str, self.plan.refused))})")
-        return None
+            log.info("%s: every forward runs eagerly: %s", self.name, self.eager_reason)
 
     def num_tokens(self, args: tuple[Any, ...]) -> int:
         """The live token count of a call."""
@@ -426,10 +381,8 @@ class StageRuntime:
         env = self._env(args, self.num_tokens(args))
         graph_steps = [st for st in program.steps if st.segment.is_graph]
         start = time.perf_counter()
-        from ppcompile.debug.capture import CaptureRecorder  # progress, time and memory per bucket
-
         held = (*state.input_buffers.values(), *state.bridge_buffers.values(), *state.module_state)
-        recorder = CaptureRecorder(self, len(graph_steps), held, start, buckets=len(buckets))
+        recorder = self._observer(self, len(graph_steps), held, start, len(buckets))
         try:
             with torch.no_grad(), state.executor.capture_session():
                 for b in buckets:

@@ -21,7 +21,6 @@ from typing import Any
 import sympy
 import torch
 
-from ppcompile.passes.context import StaticInputPlan
 from ppcompile.symbolic import SizeFn
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "InputSpec",
     "aliased_slots",
     "check_inputs",
-    "input_specs",
     "storages_of",
 ]
 
@@ -70,30 +68,6 @@ class InputSpec:
         for d, fn in self.sized:
             shape[d] = fn(env)
         return tuple(shape)
-
-
-def input_specs(plans: Iterable[StaticInputPlan], known: Iterable[sympy.Symbol]) -> tuple[InputSpec, ...]:
-    """One spec per lifted input; dims whose size depends on a symbol outside ``known`` go unchecked."""
-    known_symbols = frozenset(known)
-    specs = []
-    for plan in plans:
-        buf = plan.buffer
-        fixed, sized = [], []
-        for d, expr in enumerate(plan.size_exprs):
-            if not expr.free_symbols:
-                fixed.append((d, int(expr)))
-            elif expr.free_symbols <= known_symbols:
-                sized.append((d, SizeFn(expr)))
-        specs.append(InputSpec(
-            slot=plan.input_index,
-            name=buf.name,
-            dtype=buf.dtype,
-            device=torch.device(buf.device),
-            ndim=len(plan.size_exprs),
-            fixed=tuple(fixed),
-            sized=tuple(sized),
-        ))
-    return tuple(specs)
 
 
 def check_inputs(

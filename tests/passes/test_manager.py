@@ -14,8 +14,7 @@ from ppcompile.passes import manager
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.manager import PASSES, PassError, run_passes
 
-PASS_NAMES = ["find_token_dims", "align_global_layers", "split_at_breaks", "lift_static_inputs",
-              "plan_output_trim"]
+PASS_NAMES = ["find_token_dims", "align_global_layers", "split_at_breaks", "lift_static_inputs"]
 
 
 def _graph():  # type: ignore[no-untyped-def]
@@ -37,7 +36,6 @@ def test_run_passes_fills_every_fact_and_times_every_pass() -> None:
     assert all(t >= 0.0 for t in ctx.pass_times.values())
     assert ctx.token_symbol is not None and ctx.layer_ids == (0, 1)
     assert len(ctx.segments) == 5 and len(ctx.static_inputs) == 1 and len(ctx.bridges) == 2
-    assert len(ctx.trims) == 1
     assert split is not gm and len(list(split.graph.find_nodes(op="call_module"))) == 5
 
 
@@ -54,8 +52,7 @@ def test_dumps_only_modified_graphs_with_ordered_names(tmp_path: Path) -> None:
     for f in files[1:]:  # NN.<pass>.py, NN the pass's place in PASSES
         index, name, _ = f.split(".")
         assert names[int(index) - 1] == name
-        assert name not in {"find_token_dims", "align_global_layers", "lift_static_inputs"}
-        assert name != "plan_output_trim"  # these four only record facts
+        assert name not in {"find_token_dims", "align_global_layers", "lift_static_inputs"}  # record facts
     for f in folder.iterdir():
         text = f.read_text()
         compile(text, str(f), "exec")  # a readable, syntactically valid Python file

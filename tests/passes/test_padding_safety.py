@@ -290,9 +290,9 @@ def test_without_the_guard_check_a_bucket_outside_the_traced_counts_fails(
 ) -> None:
     """The check has teeth: the graph traced for ``n % 16 == 15`` evaluates its sizes at bucket 8,
     where they divide by zero."""
-    from ppcompile.backends import pp_breakable
+    from ppcompile.lowering import compiled_stage
 
-    monkeypatch.setattr(pp_breakable, "holds_at", lambda *args: True)
+    monkeypatch.setattr(compiled_stage, "holds_at", lambda *args: True)
     stage, compiled = _compile_padder()
     with pytest.raises(ZeroDivisionError):
         _run_padder(stage, compiled, [8, 5, 16, 17, 31])

@@ -1,0 +1,136 @@
+"""``lower_stage``: the one frozen hand-off from the compile side to the runtime (``CompiledStage``).
+
+Everything the runtime needs is decided here, once, from the split graph and the passes' facts: the
+flat program, the bucket plan (less the sizes the graph's shape guards refuse), which inputs are module
+state, scalars, tensors and sizes, what the input checks and the live-path layout checks compare, and
+why every forward must run eagerly, if it must. ``StageRuntime(compiled, config)`` is built from it and
+the config alone; the pass context is not kept.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import sympy
+import torch
+
+from ppcompile.config import PPBreakableConfig
+from ppcompile.lowering.program import build_program
+from ppcompile.passes.context import PassContext, StaticInputPlan
+from ppcompile.records import InputKind
+from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
+from ppcompile.runtime.compiled_stage import CompiledStage
+from ppcompile.runtime.layout_checks import checked_values
+from ppcompile.runtime.program import Program
+from ppcompile.runtime.validation import InputSpec
+from ppcompile.symbolic import SizeFn, holds_at
+
+__all__ = ["input_specs", "lower_stage"]
+
+
+def input_specs(plans: Iterable[StaticInputPlan], known: Iterable[sympy.Symbol]) -> tuple[InputSpec, ...]:
+    """One spec per lifted input; dims whose size depends on a symbol outside ``known`` go unchecked."""
+    known_symbols = frozenset(known)
+    specs = []
+    for plan in plans:
+        buf = plan.buffer
+        fixed, sized = [], []
+        for d, expr in enumerate(plan.size_exprs):
+            if not expr.free_symbols:
+                fixed.append((d, int(expr)))
+            elif expr.free_symbols <= known_symbols:
+                sized.append((d, SizeFn(expr)))
+        specs.append(InputSpec(
+            slot=plan.input_index,
+            name=buf.name,
+            dtype=buf.dtype,
+            device=torch.device(buf.device),
+            ndim=len(plan.size_exprs),
+            fixed=tuple(fixed),
+            sized=tuple(sized),
+        ))
+    return tuple(specs)
+
+
+def _admitted_by(ctx: PassContext) -> Callable[[int], bool] | None:
+    """Which bucket sizes the stage graph can run at: those where its shape guards on the token count hold
+    (a graph Dynamo traced for ``n % 16 == 15`` has sizes simplified for such counts only)."""
+    token, guards = ctx.token_symbol, ctx.token_guards
+    if token is None or not guards:
+        return None
+    return lambda size: holds_at(guards, token, size)
+
+
+def _eager_reason(ctx: PassContext, program: Program, plan: BucketPlan, graph_mode: str) -> str | None:
+    if ctx.is_static:
+        return (
+            "Dynamo traced concrete token sizes: it always does for a 1-token batch, for the first "
+            "call with dynamic=None, and when the first token count equals another dim of the inputs "
+            "(duck sizing); mark the token dims with torch._dynamo.mark_dynamic(t, 0) to avoid the "
+            "last two"
+        )
+    if not ctx.eligible:
+        return ctx.ineligible_reason
+    if graph_mode == "none":
+        return ("graph_mode='none': the segments run at the live token count, with no graphs, "
+                "padding or static buffers")
+    readable = (InputKind.MODULE_STATE, InputKind.TENSOR, InputKind.CONSTANT_SCALAR)
+    for st in program.steps:
+        if not st.segment.is_graph:
+            continue
+        for r in st.args:
+            if 0 <= r.slot < len(ctx.input_kinds) and ctx.input_kinds[r.slot] not in readable:
+                return f"graph segment {st.segment.name} reads a non-tensor input (slot {r.slot})"
+    if not any(st.segment.is_graph for st in program.steps):
+        return "the stage has no graph segments"
+    if not plan.sizes:
+        return (f"no capture size is a token count the stage graph was traced for (Dynamo's shape "
+                f"guards fail at {', '.join(map(str, plan.refused))})")
+    return None
+
+
+def lower_stage(
+    name: str,
+    split: torch.fx.GraphModule,
+    ctx: PassContext,
+    compiled: dict[str, Callable[..., Any]],
+    config: PPBreakableConfig,
+    graph_mode: str,
+    *,
+    skip_size_asserts: bool = False,
+    segment_compiles: tuple[Any, ...] = (),
+    compile_times: Mapping[str, float] | None = None,
+) -> CompiledStage:
+    """The frozen stage: ``split`` (after the passes) with its compiled segment callables.
+    ``skip_size_asserts``: the compiled segments do not check their inputs' sizes and strides (the live
+    path checks what no guard or segment vouches for)."""
+    program = build_program(split, compiled)
+    kinds = ctx.input_kinds
+    symbol_slots = tuple((i, e) for i, e in ctx.symint_inputs.items() if isinstance(e, sympy.Symbol))
+    tensor_slots = tuple(i for i, k in enumerate(kinds) if k is InputKind.TENSOR)
+    known = {e for _, e in symbol_slots} | ({ctx.token_symbol} if ctx.token_symbol else set())
+    plan = make_bucket_plan(config, _admitted_by(ctx))
+    return CompiledStage(
+        name=name,
+        graph_mode=graph_mode,
+        program=program,
+        plan=plan,
+        segments=tuple(ctx.segments),
+        layer_ids=tuple(ctx.layer_ids),
+        token_symbol=ctx.token_symbol,
+        token_input=ctx.token_input,
+        symbol_slots=symbol_slots,
+        state_slots=tuple(i for i, k in enumerate(kinds) if k is InputKind.MODULE_STATE),
+        scalar_slots=tuple(i for i, k in enumerate(kinds) if k is InputKind.CONSTANT_SCALAR),
+        tensor_slots=tensor_slots,
+        input_specs=input_specs(ctx.static_inputs, known),
+        live_checks=tuple(checked_values(program, tensor_slots, known))
+        if skip_size_asserts and not ctx.is_static else (),
+        traced_strides=config.segment_compiler != "eager" and not ctx.is_static,
+        eager_reason=_eager_reason(ctx, program, plan, graph_mode),
+        split_module=split,
+        segment_compiles=tuple(segment_compiles),
+        compile_times=types.MappingProxyType(dict(compile_times or {})),
+    )

@@ -1,0 +1,73 @@
+"""The package's imports point one way: the runtime never imports the compile side or the debug tools, and
+no module imports itself back through others (lazy imports inside functions count too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ppcompile"
+# The runtime serves calls; what compiles a stage (passes, backends, lowering) and what observes it (debug)
+# must not be reachable from it.
+NOT_FROM_RUNTIME = ("ppcompile.passes", "ppcompile.backends", "ppcompile.lowering", "ppcompile.debug")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Module -> the ppcompile modules it imports (``from a import b`` counts ``a.b`` when it is one)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("ppcompile"))
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                base = node.module or ""
+                if not base.startswith("ppcompile"):
+                    continue
+                for alias in node.names:
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base)
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+                for _ in range(node.level - 1):
+                    package = package.rsplit(".", 1)[0]
+                base = f"{package}.{node.module}" if node.module else package
+                found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names)
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def test_the_runtime_imports_neither_the_compile_side_nor_debug() -> None:
+    wrong = {(m, dep) for m, deps in _imports().items() if m.startswith("ppcompile.runtime")
+             for dep in deps if dep.startswith(NOT_FROM_RUNTIME)}
+    assert not wrong, sorted(wrong)
+
+
+def test_no_import_cycles() -> None:
+    graph = _imports()
+    # The package's own __init__ re-exports the public API from everywhere; modules import submodules.
+    graph = {m: {d for d in deps if d != "ppcompile"} for m, deps in graph.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep):], dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
