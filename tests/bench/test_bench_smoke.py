@@ -133,3 +133,15 @@ def test_gpu_check_without_cuda_says_so_and_exits_cleanly(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     assert "no CUDA device" in result.stdout
     assert not (tmp_path / "gpu").exists()
+
+
+def test_bench_from_an_installed_wheel_says_how_to_run_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Installed from a wheel there is no bench/ beside the package: the command says where to run it."""
+    from ppcompile import bench_cli
+    from ppcompile.__main__ import main
+
+    monkeypatch.setattr(bench_cli, "REPO_ROOT", tmp_path)
+    with pytest.raises(SystemExit, match="source checkout"):
+        main(["bench", "--quick"])
