@@ -74,7 +74,7 @@ def test_marked_stage_graphs_from_its_first_call_and_keeps_floats_constant() -> 
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     rt = _runtime()
     assert rt.eager_reason is None
-    assert rt._scalar_slots == ()  # the RMSNorm eps values are constants in the graph, not inputs
+    assert rt.compiled.scalar_slots == ()  # the RMSNorm eps values are constants in the graph, not inputs
     # Later calls need no marking: the dynamic graph serves them (1 token is Dynamo's own static graph).
     with c.expect(backend_compiles=1, replays=2, eager_runs=2):
         for n in (1, 16, 17, 70):
@@ -87,7 +87,7 @@ def test_dynamic_true_passes_the_float_attributes_as_inputs() -> None:
     stage = make_stage(CFG, 1, PP)
     compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options={"capture_sizes": SIZES})
     _run(stage, compiled, 16, False)
-    assert len(_runtime()._scalar_slots) == 2 * (stage.end_layer - stage.start_layer)
+    assert len(_runtime().compiled.scalar_slots) == 2 * (stage.end_layer - stage.start_layer)
 
 
 def test_size_oblivious_tracing_graphs_one_token_forwards() -> None:

@@ -15,18 +15,15 @@ Per call with ``n`` live tokens:
 One call at a time per module instance (a concurrent entry raises ``ConcurrentCallError``); what each
 failure leaves behind is in docs/reliability.md.
 
-Graphs and static buffers belong to the module state they read: one ``_InstanceState`` per set of
+Graphs and static buffers belong to the module state they read: one ``StageInstance`` per set of
 parameter tensors, so two module instances that share one Dynamo graph never share graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
-import time
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sympy
@@ -36,36 +33,17 @@ from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.runtime.codegen import GraphForward, make_graph_forward, make_live_forward, replay_passes_args
 from ppcompile.runtime.compiled_stage import CompiledStage
-from ppcompile.runtime.executors import GraphExecutor, make_executor
-from ppcompile.runtime.layout_checks import check_static_layout, static_layouts
+from ppcompile.runtime.instance import StageInstance
+from ppcompile.runtime.layout_checks import static_layouts
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver
 from ppcompile.runtime.program import Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
-from ppcompile.runtime.static_buffers import allocate, narrow_to
 from ppcompile.runtime.validation import aliased_slots, check_inputs, storages_of
 from ppcompile.traffic import TokenHistogram, process_histogram
 
 __all__ = ["ConcurrentCallError", "StageRuntime"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _InstanceState:
-    """Static buffers and captured graphs for one set of module-state tensors."""
-
-    executor: GraphExecutor
-    module_state: tuple[torch.Tensor, ...]  # strong references: the graphs read them (and bake scalars)
-    input_buffers: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    bridge_buffers: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    tables: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
-    failed: str | None = None
-    # Held for the duration of a graph-path call: a second concurrent entry raises, never waits.
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    owner: int = 0  # thread ident of the call holding ``lock``
-    storages: frozenset[int] | None = None  # static memory, for the aliased-input check
-    tracker: OutputTracker | None = None  # debug: outputs handed out, expired at the next call
-    failed_buckets: dict[int, str] = dataclasses.field(default_factory=dict)  # capture="lazy" only
 
 
 class ConcurrentCallError(RuntimeError):
@@ -108,7 +86,7 @@ class StageRuntime:
         self._token_input = compiled.token_input
         self._tensor_slots = compiled.tensor_slots
         self._input_specs = compiled.input_specs
-        self._states: dict[tuple[Any, ...], _InstanceState] = {}
+        self._states: dict[tuple[Any, ...], StageInstance] = {}
         self._live_forward = make_live_forward(self.program, self.name, compiled.live_checks)
         # Compiled segments read static buffers with the strides they were compiled for: buffers keep the
         # traced dim order, checked per bucket at capture. Eager segments read any layout.
@@ -193,7 +171,7 @@ class StageRuntime:
         finally:
             state.lock.release()
 
-    def _concurrent_call_error(self, state: _InstanceState) -> ConcurrentCallError:
+    def _concurrent_call_error(self, state: StageInstance) -> ConcurrentCallError:
         if state.owner == threading.get_ident():
             how = "re-entered from the thread that is running it (a break op calling its own stage?)"
         else:
@@ -222,13 +200,13 @@ class StageRuntime:
         env = self._env(args, self.num_tokens(args)) if self.token_symbol is not None else self._env(args, 0)
         return self._live_forward(args, env)
 
-    def _run_graphs(self, state: _InstanceState, args: tuple[Any, ...], n: int, b: int) -> tuple[Any, ...]:
+    def _run_graphs(self, state: StageInstance, args: tuple[Any, ...], n: int, b: int) -> tuple[Any, ...]:
         program = self.program
         env_n = self._env(args, n)
         # Checked before anything is written: a rejected call leaves every buffer as it was.
         check_inputs(self._input_specs, args, program.num_inputs, env_n, self.name, self._token_source)
         if state.storages is None:
-            state.storages = storages_of(self._static_tensors(state))
+            state.storages = storages_of(state.static_tensors())
         aliased = aliased_slots(args, self._tensor_slots, state.storages)
         if aliased:
             args = self._copy_aliased(args, aliased)
@@ -293,7 +271,7 @@ class StageRuntime:
             *[args[i].item() for i in self._scalar_slots],
         )
 
-    def _state_for(self, args: tuple[Any, ...]) -> _InstanceState:
+    def _state_for(self, args: tuple[Any, ...]) -> StageInstance:
         key = self._state_key(args)
         state = self._states.get(key)
         if state is None:
@@ -303,7 +281,7 @@ class StageRuntime:
                     state = self._capture_or_explain(args, key)
         return state
 
-    def _capture_or_explain(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> _InstanceState:
+    def _capture_or_explain(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> StageInstance:
         """``_capture``, with what happens next added to its error.
 
         A failed capture turns graphs off for this module instance (``state.failed``: later calls run
@@ -322,50 +300,28 @@ class StageRuntime:
                       "kept, and the next call captures again")
             raise
 
-    def _static_tensors(self, state: _InstanceState) -> Iterator[torch.Tensor]:
-        """Every tensor of ``state`` that calls write: static inputs, bridges, captured graph outputs."""
-        yield from state.input_buffers.values()
-        yield from state.bridge_buffers.values()
-        module_slots = {*self._state_slots, *self._scalar_slots}
-        for table in state.tables.values():
-            for slot, value in enumerate(table):
-                if isinstance(value, torch.Tensor) and slot not in module_slots:
-                    yield value
-
     def static_bytes(self) -> int:
         """Bytes of static memory this runtime holds over all module instances: static input buffers,
         bridges and captured graph outputs (each storage counted once). On CUDA, graph-private
         intermediates in the pool come on top (see ``torch.cuda.memory_reserved``)."""
         sizes: dict[int, int] = {}
         for state in list(self._states.values()):
-            for t in self._static_tensors(state):
+            for t in state.static_tensors():
                 storage = t.untyped_storage()
                 sizes[storage.data_ptr()] = storage.nbytes()
         return sum(sizes.values())
 
-    def _allocate(self, slot: int, spec: Any, env_max: dict[sympy.Symbol, int]) -> torch.Tensor:
-        """The static buffer of ``slot``, in its traced dim order (``static_buffers.allocate``)."""
-        described = self._static_layouts.get(slot)
-        traced = described[1].at(env_max) if described is not None else None
-        return allocate(spec, traced[1] if traced is not None else None)
-
-    def _capture(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> _InstanceState:
-        """Allocates static buffers; with ``capture="all"`` captures every (graph segment, bucket),
-        largest bucket first (one failure turns graphs off for the instance). ``"lazy"`` captures
-        nothing here: each bucket at its first use (``_capture_lazily``)."""
-        program = self.program
-        state = _InstanceState(
-            executor=make_executor(self.graph_mode, self.config.debug),
-            module_state=tuple(args[i] for i in (*self._state_slots, *self._scalar_slots)),
-        )
-        self._states[key] = state  # kept even when capture fails: later calls see state.failed
+    def _capture(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> StageInstance:
+        """A new instance (static buffers allocated); with ``capture="all"`` every (graph segment, bucket)
+        captured, largest bucket first (one failure turns graphs off for the instance). ``"lazy"``
+        captures nothing here: each bucket at its first use (``_capture_lazily``)."""
         env = self._env(args, self.num_tokens(args))
-        env[self.token_symbol] = max(self.plan.sizes)
-        state.input_buffers = {s: self._allocate(s, spec, env) for s, spec in program.input_buffers.items()}
-        state.bridge_buffers = {s: self._allocate(s, spec, env) for s, spec in program.bridge_buffers.items()}
+        env_max = {**env, self.token_symbol: max(self.plan.sizes)}
+        state = StageInstance(self.compiled, args, env_max, self._static_layouts, self.config.debug)
+        self._states[key] = state  # kept even when capture fails: later calls see state.failed
         if self.config.capture == "all":
             try:
-                self._capture_buckets(state, args, sorted(self.plan.sizes, reverse=True))
+                state.capture(self, args, env, sorted(self.plan.sizes, reverse=True), self._observer)
             except BaseException as e:
                 state.failed = f"{type(e).__name__}: {e}"
                 state.tables.clear()
@@ -373,62 +329,7 @@ class StageRuntime:
                 raise
         return state
 
-    def _capture_buckets(self, state: _InstanceState, args: tuple[Any, ...], buckets: Sequence[int],
-                         budget_s: float | None = None) -> None:
-        """Captures each graph segment at each of ``buckets`` in order (all, or until ``budget_s`` is
-        spent after the first), filling ``state.tables``; raises on the first failure."""
-        program = self.program
-        env = self._env(args, self.num_tokens(args))
-        graph_steps = [st for st in program.steps if st.segment.is_graph]
-        start = time.perf_counter()
-        held = (*state.input_buffers.values(), *state.bridge_buffers.values(), *state.module_state)
-        recorder = self._observer(self, len(graph_steps), held, start, len(buckets))
-        try:
-            with torch.no_grad(), state.executor.capture_session():
-                for b in buckets:
-                    if state.tables and budget_s is not None and time.perf_counter() - start > budget_s:
-                        break
-                    env[self.token_symbol] = b
-                    table: list[Any] = [None] * program.num_slots
-                    for i in (*self._state_slots, *self._scalar_slots):
-                        table[i] = args[i]
-                    for s, buf in (*state.input_buffers.items(), *state.bridge_buffers.items()):
-                        table[s] = narrow_to(buf, program.token_dims.get(s, ()), env)
-                        if s in self._static_layouts:
-                            check_static_layout(*self._static_layouts[s], table[s], env, b)
-                    for st in graph_steps:
-                        sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
-                        try:
-                            outs = state.executor.capture((st.index, b), st.fn, sargs, st.output_shapes(env),
-                                                          st.output_strides(env))
-                        except Exception as e:
-                            raise RuntimeError(
-                                f"pp_breakable: capturing segment {st.segment.name} of {self.name} for "
-                                f"bucket {b} failed: {type(e).__name__}: {e}"
-                            ) from e
-                        counters.captures += 1
-                        for s, o in zip(st.out_slots, outs):
-                            if s >= 0:
-                                table[s] = o
-                    swap = state.executor.bucket_captured(b)
-                    if swap:  # drop the runtime's own references to the bucket's graph outputs
-                        table = [swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in table]
-                        del outs, sargs
-                    if not state.executor.binds_inputs:
-                        # Replays return fresh outputs: the capture run's are not worth keeping.
-                        for st in graph_steps:
-                            for s in st.out_slots:
-                                if s >= 0:
-                                    table[s] = None
-                    state.tables[b] = table
-                    state.storages = None  # static memory grew: the aliased-input check recomputes it
-                    recorder.bucket_done(b, table)
-        except BaseException as e:
-            recorder.abort(e)
-            raise
-        recorder.finish()  # logs the capture time and memory; rewrites the stage report when dumping
-
-    def _capture_lazily(self, state: _InstanceState, args: tuple[Any, ...], b: int) -> bool:
+    def _capture_lazily(self, state: StageInstance, args: tuple[Any, ...], b: int) -> bool:
         """``capture="lazy"``: captures bucket ``b`` at its first use (at the first call of the instance,
         with a ``capture_budget_s``, more buckets in order of value until the budget is spent); True
         when ``b`` can replay. A bucket whose capture fails runs eagerly from then on, one warning."""
@@ -439,7 +340,7 @@ class StageRuntime:
         if budget is not None and not state.tables:
             order += [s for s in self.bucket_values() if s != b]
         try:
-            self._capture_buckets(state, args, order, budget)
+            state.capture(self, args, self._env(args, self.num_tokens(args)), order, self._observer, budget)
         except Exception as e:
             state.failed_buckets[b] = f"{type(e).__name__}: {e}"
             state.executor.forget(b)
@@ -462,7 +363,19 @@ class StageRuntime:
 
     def captured_buckets(self) -> dict[int, tuple[int, ...]]:
         """Per module instance (in order of first call), the buckets captured so far."""
-        return {i: tuple(sorted(state.tables)) for i, state in enumerate(self._states.values())}
+        return {i: state.captured_buckets for i, state in enumerate(self._states.values())}
+
+    def instances(self) -> tuple[StageInstance, ...]:
+        """The captured state of each module instance served so far, in order of first call (read-only:
+        buckets, buffers, static tensors)."""
+        return tuple(self._states.values())
+
+    def generated_code(self) -> dict[str, str]:
+        """The per-call code generated for this stage: the live path, and the graph paths built so far."""
+        code = {"live": str(getattr(self._live_forward, "source", ""))}
+        for (binds, pass_args), fn in self._graph_forwards.items():
+            code[f"graph (binds inputs {binds}, passes args {pass_args})"] = str(getattr(fn, "source", ""))
+        return code
 
     # ----------------------------------------------------------------------------------- reports
     def describe(self) -> str:

@@ -56,7 +56,7 @@ def test_graph_mode_none_runs_the_compiled_segments_at_live_size() -> None:
     with c.expect(segment_compiles=UNIQUE, replays=0, captures=0, eager_runs=1):
         check(stage, compiled, CFG, 1, PP, 16)
     runtime = graphed_runtime(allow_graphless=True)
-    assert runtime.graph_mode == "none" and runtime._states == {}
+    assert runtime.graph_mode == "none" and runtime.instances() == ()
     with c.expect(backend_compiles=0, segment_compiles=0, replays=0, captures=0, eager_runs=3):
         for n in (17, 64, 70):  # a bucket + 1, the cap, above the cap
             check(stage, compiled, CFG, 1, PP, n)

@@ -72,7 +72,7 @@ def test_debug_checks_replay_addresses() -> None:
     stage = compile_stage({"debug": True})
     stage.call(10)  # captures; the check passes for a correct runtime
     rt = stage.runtime
-    (state,) = rt._states.values()
+    (state,) = rt.instances()
     table = state.tables[16]
     slot = next(s for s in state.input_buffers)
     table[slot] = table[slot].clone()  # a runtime bug: the graph is handed a tensor it did not capture

@@ -95,10 +95,10 @@ def runtime() -> StageRuntime:
 
 
 def only_state(rt: StageRuntime) -> Any:
-    (state,) = rt._states.values()
+    (state,) = rt.instances()
     return state
 
 
 def static_snapshot(rt: StageRuntime) -> list[torch.Tensor]:
     """Copies of every static tensor of ``rt`` (to show that a rejected call wrote nothing)."""
-    return [t.clone() for state in rt._states.values() for t in rt._static_tensors(state)]
+    return [t.clone() for state in rt.instances() for t in state.static_tensors()]

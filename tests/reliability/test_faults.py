@@ -125,7 +125,7 @@ def test_an_interrupted_capture_keeps_nothing_and_the_next_call_captures_again(
             c(*inputs(5))
         assert "interrupted" in _notes(info.value) and "captures again" in _notes(info.value)
         rt = runtime()
-        assert not rt._states, "a half-captured state must not be kept"
+        assert not rt.instances(), "a half-captured state must not be kept"
         with counters.expect(replays=1, eager_runs=0, captures=2 * len(SIZES)):
             check(c, m, *inputs(5))
         for i, n in enumerate([9, 3, 16]):

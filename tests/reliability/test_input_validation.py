@@ -193,7 +193,7 @@ def test_validation_is_built_from_the_lifted_inputs() -> None:
     c = compile_stage(m)
     with torch.no_grad():
         check(c, m, *inputs(5))
-    specs = runtime()._input_specs
+    specs = runtime().compiled.input_specs
     assert [s.name for s in specs] == ["l_x_", "l_residual_"]
     for s in specs:
         assert s.dtype == torch.float32 and s.device == torch.device("cpu") and s.ndim == 2

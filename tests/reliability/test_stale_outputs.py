@@ -32,7 +32,7 @@ from ppcompile.runtime.stale_outputs import StaleOutput, StaleOutputError
 
 def _static_storages() -> set[int]:
     rt = runtime()
-    return {t.untyped_storage().data_ptr() for s in rt._states.values() for t in rt._static_tensors(s)}
+    return {t.untyped_storage().data_ptr() for s in rt.instances() for t in s.static_tensors()}
 
 
 def test_debug_stale_output_raises_naming_it() -> None:
@@ -106,7 +106,7 @@ def test_debug_two_instances_expire_independently() -> None:
         a, _ = check(c1, m1, *inputs(5))
         b, _ = check(c2, m2, *inputs(5))
         check(c2, m2, *inputs(6))  # instance 2's next call: a stays valid
-        assert counters.backend_compiles == 1 and len(runtime()._states) == 2
+        assert counters.backend_compiles == 1 and len(runtime().instances()) == 2
         torch.testing.assert_close(a, m1(*inputs(5))[0])
         with pytest.raises(StaleOutputError):
             _ = b + 0
@@ -167,7 +167,7 @@ def test_without_debug_outputs_are_views_and_nothing_is_tracked() -> None:
         assert first.untyped_storage().data_ptr() in _static_storages()
         check(c, m, *inputs(6))
     rt = runtime()
-    assert not rt._track_outputs and only_state(rt).tracker is None
+    assert only_state(rt).tracker is None
     assert type(first) is torch.Tensor
 
 

@@ -121,7 +121,7 @@ def _runtime() -> Any:
 
 
 def _source() -> str:
-    return str(_runtime()._live_forward.source)
+    return str(_runtime().generated_code()["live"])
 
 
 def test_generated_forward_is_straight_line_and_matches_eager() -> None:
@@ -285,7 +285,7 @@ def test_a_static_buffer_keeps_the_traced_layout_of_what_it_holds() -> None:
     with torch.no_grad(), ppcompile.counters.expect(replays=3, eager_runs=1):
         for i, n in enumerate([5, 8, 9, 17]):
             _check(c, m, *_inputs(n, seed=i))
-    (state,) = _runtime()._states.values()
+    (state,) = _runtime().instances()
     (bridge,) = state.bridge_buffers.values()
     assert bridge.shape == (2, 16, 8) and bridge.stride() == (8, 16, 1)
 

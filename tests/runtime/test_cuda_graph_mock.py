@@ -334,7 +334,7 @@ def test_runtime_captures_largest_bucket_first_in_one_pool(cuda: FakeCuda, cuda_
     torch.testing.assert_close(c(x), m(x))
     rt = _runtime()
     assert rt.graph_mode == "cuda"
-    (state,) = rt._states.values()
+    (state,) = rt.instances()
     ex = state.executor
     assert isinstance(ex, CudaGraphExecutor)
     steps = [st.index for st in rt.program.steps if st.segment.is_graph]
@@ -358,7 +358,7 @@ def test_runtime_replays_graphs_and_matches_eager(cuda: FakeCuda, cuda_stage: An
         assert seen_rows == [n]  # the break op ran eagerly on the live rows
         torch.testing.assert_close(got, m(x))
         rt = _runtime()
-        (state,) = rt._states.values()
+        (state,) = rt.instances()
         ex = state.executor
         replayed = {k for k, cap in ex._captured.items() if cap.graph.replays > before.get(id(cap.graph), 0)}
         b = rt.plan.bucket(n)

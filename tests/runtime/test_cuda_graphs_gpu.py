@@ -73,7 +73,7 @@ def test_cuda_graphs_match_eager_across_token_counts(mode: str) -> None:
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     rt = _runtime()
     assert rt.graph_mode == "cuda"
-    (state,) = rt._states.values()
+    (state,) = rt.instances()
     assert isinstance(state.executor, CudaGraphExecutor)
     assert state.executor.num_captured() == 2 * len(SIZES)
     assert next(iter(state.executor._captured))[1] == max(SIZES)  # largest bucket captured first
@@ -140,7 +140,7 @@ def test_buckets_share_the_graph_pool(monkeypatch: pytest.MonkeyPatch) -> None:
                 args = tuple(torch.randn(n, width, device="cuda", generator=g) for _ in range(2))
                 for got, want in zip(c(*args), m(*args)):
                     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-        (state,) = _runtime()._states.values()
+        (state,) = _runtime().instances()
         return _pool_bytes(state.executor.pool)
 
     held = run(share=False)

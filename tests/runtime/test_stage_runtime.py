@@ -8,7 +8,6 @@ executor (CPU), which gives CUDA-graph semantics: graphs read only the tensors t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,6 @@ import ppcompile
 from ppcompile import counters
 from ppcompile.debug import build_report, publish_report
 from ppcompile.models import REFERENCE_CONFIGS, make_forward_context, set_forward_context
-from ppcompile.runtime.codegen import make_graph_forward
 from ppcompile.runtime.executors import EagerExecutor, EmulatedGraphExecutor, ReplayAddressError
 from ppcompile.runtime.stage_runtime import StageRuntime
 
@@ -92,7 +90,7 @@ def _runtime() -> StageRuntime:
 
 
 def _state(rt: StageRuntime) -> Any:
-    (state,) = rt._states.values()
+    (state,) = rt.instances()
     return state
 
 
@@ -132,7 +130,7 @@ def test_graph_mode_none_runs_segments_at_live_size_without_buffers() -> None:
             _check(c, m, n, seed=i)
     rt = _runtime()
     assert rt.graph_mode == "none" and "graph_mode='none'" in (rt.eager_reason or "")
-    assert rt._states == {}  # no static buffers, no executor: nothing was allocated for graphs
+    assert rt.instances() == ()  # no static buffers, no executor: nothing was allocated for graphs
     assert seen_rows[-1] == 40  # break ops see the live rows, nothing padded
 
 
@@ -259,8 +257,8 @@ def test_two_instances_share_one_compile_but_not_graphs() -> None:
         _check(c2, m2, n, seed=i)
     assert counters.backend_compiles == 1
     rt = _runtime()
-    assert len(rt._states) == 2
-    ids = [{id(t) for t in s.module_state} for s in rt._states.values()]
+    assert len(rt.instances()) == 2
+    ids = [{id(t) for t in s.module_state} for s in rt.instances()]
     assert ids[0] == {id(p) for p in m1.parameters()} or ids[1] == {id(p) for p in m1.parameters()}
     assert ids[0].isdisjoint(ids[1])
     assert counters.captures == 2 * len(SIZES) * 2
@@ -274,12 +272,12 @@ def test_inference_mode_calls_use_graphs_and_match() -> None:
             _check(c, m, n, seed=i)
     assert counters.replays == 4 and counters.eager_runs == 1
     runtime = _runtime()
-    (state,) = runtime._states.values()
+    (state,) = runtime.instances()
     # Buffers follow the caller's mode, so graph outputs are inference tensors like eager's.
     assert all(b.is_inference() for b in (*state.input_buffers.values(), *state.bridge_buffers.values()))
     with torch.no_grad():  # outside inference mode: plain buffers (Dynamo may also recompile)
         _check(c, m, 9, seed=7)
-    states = [s for rt in ppcompile.stage_runtimes() for s in rt._states.values() if s is not state]
+    states = [s for rt in ppcompile.stage_runtimes() for s in rt.instances() if s is not state]
     assert len(states) == 1 and not any(b.is_inference() for b in states[0].input_buffers.values())
 
 
@@ -480,15 +478,16 @@ def test_reference_attention_breaks_see_live_batches() -> None:
 
 # ----------------------------------------------------------------------------------------- emulator teeth
 def test_emulator_catches_a_missing_copy_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ppcompile.runtime import static_buffers
+
+    x, r = _inputs(6, seed=7)
+    real = static_buffers.copy_rows  # the generated code binds it when first generated (the first call)
+    monkeypatch.setattr(static_buffers, "copy_rows",
+                        lambda buf, src, *a: None if src is x or src is r else real(buf, src, *a))
     m = Stage()
     c = _compile(m)
     _check(c, m, 5)  # with copy-in: correct
-    rt = _runtime()
-    no_copy_in = dataclasses.replace(rt.program, input_buffers={})  # the generated path without copy-in
-    monkeypatch.setattr(rt, "_graph_forwards", {k: make_graph_forward(no_copy_in, rt.name, *k)
-                                                for k in rt._graph_forwards})
-    x, r = _inputs(6, seed=7)
-    got, _ = c(x, r)
+    got, _ = c(x, r)  # x and r are not copied in: the static buffers still hold the last call's rows
     want, _ = m(x, r)
     assert not torch.allclose(got, want), "a runtime without copy-in must give wrong answers under emulation"
     monkeypatch.undo()
@@ -518,7 +517,7 @@ def test_buckets_share_graph_output_memory_and_outputs_last_until_the_next_call(
 def test_capture_runs_each_graph_segment_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Smaller buckets view the largest bucket's outputs: capture costs one run per segment."""
     calls: list[int] = []
-    original = StageRuntime._capture
+    original = EmulatedGraphExecutor.capture
 
     def counting(index: int, fn: Any) -> Any:
         def run(*args: Any) -> Any:
@@ -526,13 +525,10 @@ def test_capture_runs_each_graph_segment_once(monkeypatch: pytest.MonkeyPatch) -
             return fn(*args)
         return run
 
-    def capture_counting(self: StageRuntime, args: Any, key: Any) -> Any:
-        self.program = dataclasses.replace(self.program, steps=tuple(
-            dataclasses.replace(st, fn=counting(st.index, st.fn)) if st.segment.is_graph else st
-            for st in self.program.steps))
-        return original(self, args, key)
+    def capture_counting(self: EmulatedGraphExecutor, key: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, key, counting(key[0], fn), *args, **kwargs)
 
-    monkeypatch.setattr(StageRuntime, "_capture", capture_counting)
+    monkeypatch.setattr(EmulatedGraphExecutor, "capture", capture_counting)
     m = Stage()
     c = _compile(m)
     with counters.expect(captures=2 * len(SIZES), replays=1):

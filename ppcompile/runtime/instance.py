@@ -1,0 +1,148 @@
+"""``StageInstance``: the captured state of one stage graph for one set of module-state tensors.
+
+Graphs read parameters and buffers in place and bake constant scalars, so they belong to the module
+instance they were captured with: a ``StageRuntime`` keeps one ``StageInstance`` per set of module-state
+tensors. An instance owns the static input buffers and bridges (allocated at the largest bucket, in the
+traced dim order), the executor with its captured (segment, bucket) graphs, and a slot table per captured
+bucket (what each graph reads and writes at that bucket). The runtime decides when to capture and which
+bucket serves a call; the instance captures and holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from ppcompile.counters import counters
+from ppcompile.runtime.compiled_stage import CompiledStage
+from ppcompile.runtime.executors import GraphExecutor, make_executor
+from ppcompile.runtime.layout_checks import check_static_layout
+from ppcompile.runtime.observer import CaptureObserver
+from ppcompile.runtime.program import TensorLayout
+from ppcompile.runtime.stale_outputs import OutputTracker
+from ppcompile.runtime.static_buffers import allocate, narrow_to
+
+__all__ = ["StageInstance"]
+
+StaticLayouts = Mapping[int, tuple[str, TensorLayout]]
+
+
+class StageInstance:
+    """Static buffers and captured graphs for one set of module-state tensors (read-only to callers:
+    ``captured_buckets``, ``input_buffers``, ``bridge_buffers``, ``static_tensors()``, ``failed``)."""
+
+    def __init__(self, compiled: CompiledStage, args: Sequence[Any], env_max: dict[sympy.Symbol, int],
+                 static_layouts: StaticLayouts, debug: bool) -> None:
+        program = compiled.program
+        self._compiled = compiled
+        self._static_layouts = static_layouts
+        self.executor: GraphExecutor = make_executor(compiled.graph_mode, debug)
+        # Strong references: the graphs read them (and bake scalars).
+        self.module_state = tuple(args[i] for i in (*compiled.state_slots, *compiled.scalar_slots))
+        self._input_buffers = {s: self._allocate(s, spec, env_max)
+                               for s, spec in program.input_buffers.items()}
+        self._bridge_buffers = {s: self._allocate(s, spec, env_max)
+                                for s, spec in program.bridge_buffers.items()}
+        self.tables: dict[int, list[Any]] = {}  # bucket -> slot table
+        self.failed: str | None = None  # capture="all": graphs are off for this instance
+        self.failed_buckets: dict[int, str] = {}  # capture="lazy": buckets that run eagerly
+        # Held for the duration of a graph-path call: a second concurrent entry raises, never waits.
+        self.lock = threading.Lock()
+        self.owner = 0  # thread ident of the call holding ``lock``
+        self.storages: frozenset[int] | None = None  # static memory, for the aliased-input check
+        self.tracker: OutputTracker | None = None  # debug: outputs handed out, expired at the next call
+
+    # ----------------------------------------------------------------------------------- inspection
+    @property
+    def input_buffers(self) -> Mapping[int, torch.Tensor]:
+        """Static input buffers by input slot (at the largest bucket)."""
+        return types.MappingProxyType(self._input_buffers)
+
+    @property
+    def bridge_buffers(self) -> Mapping[int, torch.Tensor]:
+        """Static bridges (break outputs that graphs read) by slot."""
+        return types.MappingProxyType(self._bridge_buffers)
+
+    @property
+    def captured_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self.tables))
+
+    def static_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor calls write: static inputs, bridges, captured graph outputs."""
+        yield from self._input_buffers.values()
+        yield from self._bridge_buffers.values()
+        module_slots = {*self._compiled.state_slots, *self._compiled.scalar_slots}
+        for table in self.tables.values():
+            for slot, value in enumerate(table):
+                if isinstance(value, torch.Tensor) and slot not in module_slots:
+                    yield value
+
+    # ----------------------------------------------------------------------------------- capture
+    def _allocate(self, slot: int, spec: Any, env_max: dict[sympy.Symbol, int]) -> torch.Tensor:
+        """The static buffer of ``slot``, in its traced dim order (``static_buffers.allocate``)."""
+        described = self._static_layouts.get(slot)
+        traced = described[1].at(env_max) if described is not None else None
+        return allocate(spec, traced[1] if traced is not None else None)
+
+    def capture(self, runtime: Any, args: Sequence[Any], env: dict[sympy.Symbol, int],
+                buckets: Sequence[int], observer: CaptureObserver, budget_s: float | None = None) -> None:
+        """Captures each graph segment at each of ``buckets`` in order (all, or until ``budget_s`` is
+        spent after the first), filling ``tables``; raises on the first failure. ``env``: the call's
+        symbols (the token symbol is set per bucket); ``observer`` is told about the run."""
+        compiled = self._compiled
+        program, token = compiled.program, compiled.token_symbol
+        assert token is not None
+        graph_steps = [st for st in program.steps if st.segment.is_graph]
+        start = time.perf_counter()
+        held = (*self._input_buffers.values(), *self._bridge_buffers.values(), *self.module_state)
+        recorder = observer(runtime, len(graph_steps), held, start, len(buckets))
+        try:
+            with torch.no_grad(), self.executor.capture_session():
+                for b in buckets:
+                    if self.tables and budget_s is not None and time.perf_counter() - start > budget_s:
+                        break
+                    env[token] = b
+                    table: list[Any] = [None] * program.num_slots
+                    for i in (*compiled.state_slots, *compiled.scalar_slots):
+                        table[i] = args[i]
+                    for s, buf in (*self._input_buffers.items(), *self._bridge_buffers.items()):
+                        table[s] = narrow_to(buf, program.token_dims.get(s, ()), env)
+                        if s in self._static_layouts:
+                            check_static_layout(*self._static_layouts[s], table[s], env, b)
+                    for st in graph_steps:
+                        sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
+                        try:
+                            outs = self.executor.capture((st.index, b), st.fn, sargs, st.output_shapes(env),
+                                                         st.output_strides(env))
+                        except Exception as e:
+                            raise RuntimeError(
+                                f"pp_breakable: capturing segment {st.segment.name} of {compiled.name} for "
+                                f"bucket {b} failed: {type(e).__name__}: {e}"
+                            ) from e
+                        counters.captures += 1
+                        for s, o in zip(st.out_slots, outs):
+                            if s >= 0:
+                                table[s] = o
+                    swap = self.executor.bucket_captured(b)
+                    if swap:  # drop the instance's own references to the bucket's graph outputs
+                        table = [swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in table]
+                        del outs, sargs
+                    if not self.executor.binds_inputs:
+                        # Replays return fresh outputs: the capture run's are not worth keeping.
+                        for st in graph_steps:
+                            for s in st.out_slots:
+                                if s >= 0:
+                                    table[s] = None
+                    self.tables[b] = table
+                    self.storages = None  # static memory grew: the aliased-input check recomputes it
+                    recorder.bucket_done(b, table)
+        except BaseException as e:
+            recorder.abort(e)
+            raise
+        recorder.finish()  # logs the capture time and memory; rewrites the stage report when dumping
