@@ -67,6 +67,19 @@ def _pipeline(stages: list[torch.nn.Module], ids: torch.Tensor, positions: torch
     return stages[1](None, positions, pp_proxy_tensors=proxies)  # type: ignore[no-any-return]
 
 
+def _marked_pipeline(
+    stages: list[torch.nn.Module], ids: torch.Tensor, positions: torch.Tensor, mark: bool
+) -> torch.Tensor:
+    """``_pipeline``; with ``mark``, the token dims of the inputs and of the proxies are marked dynamic
+    before each stage first sees them (the first call)."""
+    if mark:
+        ppcompile.mark_token_dynamic(ids, positions)
+    proxies = stages[0](ids, positions)
+    if mark:
+        ppcompile.mark_token_dynamic(proxies)
+    return stages[1](None, positions, pp_proxy_tensors=proxies)  # type: ignore[no-any-return]
+
+
 def _ids(n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
 
@@ -84,12 +97,7 @@ def test_inductor_segments_replay_around_sdpa() -> None:
     with torch.inference_mode(), ppcompile.counters.expect(replays=6, eager_runs=0):
         for n in (8, 9, 3):  # exactly a bucket, a bucket + 1, padded into the smallest
             ids, positions = _ids(n), torch.arange(n)
-            if n == 8:  # the first call: mark the token dims (the proxies too, before stage 1 sees them)
-                ppcompile.mark_token_dynamic(ids, positions)
-            proxies = stages[0](ids, positions)
-            if n == 8:
-                ppcompile.mark_token_dynamic(proxies)
-            logits = stages[1](None, positions, pp_proxy_tensors=proxies)
+            logits = _marked_pipeline(stages, ids, positions, mark=n == 8)  # the first call marks
             torch.testing.assert_close(logits, model(ids[None]).logits[0], rtol=1e-5, atol=1e-5)
 
 
@@ -151,12 +159,7 @@ def test_moe_and_hybrid_families_match_eager_on_every_path(family: str, graph_mo
     with torch.inference_mode():
         for i, n in enumerate((8, 9, 3, 20)):
             ids, positions = _ids(n), torch.arange(n)
-            if i == 0:
-                ppcompile.mark_token_dynamic(ids, positions)
-            proxies = stages[0](ids, positions)
-            if i == 0:
-                ppcompile.mark_token_dynamic(proxies)
-            logits = stages[1](None, positions, pp_proxy_tensors=proxies)
+            logits = _marked_pipeline(stages, ids, positions, mark=i == 0)
             ref = model(ids[None]).logits[0]
             torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5, msg=f"{family}, {n} tokens")
     assert ppcompile.counters.replays == (6 if graph_mode == "eager" else 0)
@@ -294,12 +297,7 @@ def test_layers_as_nested_regions_trace_once_and_match(family: str) -> None:
     with torch.inference_mode():
         for i, n in enumerate((8, 9, 3, 20)):  # a bucket (first call), bucket + 1, padded, above the cap
             ids, positions = _ids(n), torch.arange(n)
-            if i == 0:
-                ppcompile.mark_token_dynamic(ids, positions)
-            proxies = stages[0](ids, positions)
-            if i == 0:
-                ppcompile.mark_token_dynamic(proxies)
-            logits = stages[1](None, positions, pp_proxy_tensors=proxies)
+            logits = _marked_pipeline(stages, ids, positions, mark=i == 0)
             torch.testing.assert_close(logits, _pipeline(flat, ids, positions), rtol=1e-5, atol=1e-5)
     assert ppcompile.counters.replays == 6  # 8, 9 and 3 tokens through both stages; 20 is above the cap
     graphed = [rt for rt in ppcompile.stage_runtimes()[-2:] if rt.eager_reason is None]
@@ -319,12 +317,8 @@ def test_hybrid_stages_equal_eager_at_every_token_count() -> None:
     with torch.inference_mode():
         for n in range(1, 80):
             ids, positions = _ids(n), torch.arange(n)
-            if n in (1, 16):  # 1 token is always a static graph; mark the dynamic one at 16
-                ppcompile.mark_token_dynamic(ids, positions)
-            proxies = stages[0](ids, positions)
-            if n == 16:
-                ppcompile.mark_token_dynamic(proxies)
-            logits = stages[1](None, positions, pp_proxy_tensors=proxies)
+            # 1 token is always a static graph: the first dynamic trace is marked at 16.
+            logits = _marked_pipeline(stages, ids, positions, mark=n == 16)
             torch.testing.assert_close(logits, model(ids[None]).logits[0], rtol=1e-5, atol=1e-5,
                                        msg=lambda m, n=n: f"{n} tokens: {m}")
     # Counts from 9 to 64 whose bucket pads at most 2x take the graph path in both stages.
