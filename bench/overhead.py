@@ -25,7 +25,6 @@ Run alone: ``python bench/overhead.py [--device cpu|cuda] [--out DIR]``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import sys
 import time
@@ -44,7 +43,6 @@ from bench.common import median, sync
 from bench.report import describe_machine, machine_info, markdown_table, save_json
 from ppcompile.backends.pp_breakable import stage_runtimes
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
-from ppcompile.runtime import static_buffers as static_buffers_module
 from ppcompile.runtime.stage_runtime import StageRuntime
 
 __all__ = ["TINY_DEEP", "markdown", "run_overhead"]
@@ -138,10 +136,10 @@ def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mod
         args = _args_dynamo_passes(runtime, lambda: compiled(ids, pos))
         dynamo_eager = torch.compile(stage, backend="eager")
         watch = Stopwatch()
-        instrumented = _instrumented(runtime, watch)
+        wrap = watch.wrap  # one object: the runtime keeps the instrumented code it generates per hook
 
         def run_instrumented() -> None:
-            with instrumented:
+            with runtime.instrumented(wrap):
                 watch.reset()
                 start = time.perf_counter()
                 runtime(*args)
@@ -206,7 +204,7 @@ def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mod
         "instrumented_us": instrumented_us,
         "parts_us": parts_us,
         "segments": segments,
-        "float_inputs": len(getattr(runtime, "_scalar_slots", ())),
+        "float_inputs": len(runtime.compiled.scalar_slots),
         "graph_segments": graph_segments,
         "timer_us": timer_us,
         "overhead_us": overhead_us,
@@ -216,21 +214,21 @@ def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mod
 
 
 def _args_dynamo_passes(runtime: StageRuntime, call: Callable[[], Any]) -> tuple[Any, ...]:
-    """The arguments Dynamo hands ``runtime`` during ``call()`` (its class is swapped for a recording
-    subclass meanwhile: Python looks ``__call__`` up on the type)."""
+    """The arguments Dynamo hands ``runtime`` during ``call()`` (recorded by the runtime class's
+    ``__call__`` meanwhile: Python looks it up on the type)."""
     seen: list[tuple[Any, ...]] = []
+    cls = type(runtime)
+    original = cls.__call__
 
-    class Recording(type(runtime)):  # type: ignore[misc]
-        def __call__(self, *args: Any) -> Any:
-            seen.append(args)
-            return super().__call__(*args)
+    def recording(self: StageRuntime, *args: Any) -> Any:
+        seen.append(args)
+        return original(self, *args)
 
-    original = runtime.__class__
-    runtime.__class__ = Recording
+    cls.__call__ = recording  # type: ignore[method-assign]
     try:
         call()
     finally:
-        runtime.__class__ = original
+        cls.__call__ = original  # type: ignore[method-assign]
     if not seen:
         raise RuntimeError("overhead: the compiled stage did not call its StageRuntime")
     return seen[-1]
@@ -241,49 +239,6 @@ def _runtime_of_last_compile() -> StageRuntime:
     if not runtimes:
         raise RuntimeError("overhead: the compiled stage built no StageRuntime (did Dynamo fall back?)")
     return runtimes[-1]
-
-
-class _instrumented:
-    """Swaps timed versions of the runtime's parts in (executors' replays, break segments, copy-in) and
-    back out. The generated graph path binds its callables when generated, so the timed program gets
-    graph forwards of its own, generated once at the first entry and reused."""
-
-    def __init__(self, runtime: StageRuntime, watch: Stopwatch) -> None:
-        self.runtime = runtime
-        self.watch = watch
-        rt, w = runtime, watch
-        if not all(hasattr(rt, a) for a in ("_states", "_graph_forwards", "program")):
-            raise RuntimeError(
-                "overhead: StageRuntime's internals changed (expected _states[...].executor, program, "
-                "_graph_forwards); update bench/overhead.py's instrumentation to match"
-            )
-        self.saved_program = rt.program
-        self.timed_program = dataclasses.replace(rt.program, steps=tuple(
-            st if st.segment.is_graph else dataclasses.replace(
-                st, fn=w.wrap("segment bodies", st.fn),
-                call=None if st.call is None else w.wrap("segment bodies", st.call))
-            for st in rt.program.steps
-        ))
-        self.saved_forwards: dict[Any, Any] = rt._graph_forwards
-        self.timed_forwards: dict[Any, Any] = {}
-        self.saved_copy_rows = static_buffers_module.copy_rows
-        self.timed_copy_rows = w.wrap("copy-in", static_buffers_module.copy_rows)
-
-    def __enter__(self) -> None:
-        rt, w = self.runtime, self.watch
-        for state in rt._states.values():
-            state.executor.replay = w.wrap("segment bodies", state.executor.replay)
-        rt.program = self.timed_program
-        rt._graph_forwards = self.timed_forwards
-        static_buffers_module.copy_rows = self.timed_copy_rows
-
-    def __exit__(self, *exc: object) -> None:
-        rt = self.runtime
-        for state in rt._states.values():
-            state.executor.__dict__.pop("replay", None)
-        rt.program = self.saved_program
-        rt._graph_forwards = self.saved_forwards
-        static_buffers_module.copy_rows = self.saved_copy_rows
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -22,8 +22,10 @@ parameter tensors, so two module instances that share one Dynamo graph never sha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import sympy
@@ -31,6 +33,7 @@ import torch
 
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
+from ppcompile.runtime import static_buffers
 from ppcompile.runtime.codegen import GraphForward, make_graph_forward, make_live_forward, replay_passes_args
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.instance import StageInstance
@@ -92,6 +95,7 @@ class StageRuntime:
         # traced dim order, checked per bucket at capture. Eager segments read any layout.
         self._static_layouts = static_layouts(self.program) if compiled.traced_strides else {}
         self._graph_forwards: dict[tuple[bool, bool], GraphForward] = {}  # by (binds inputs, pass args)
+        self._instrumented: dict[int, tuple[Any, ...]] = {}  # instrumented(): per hook, its program and code
         self._owned_slots = frozenset(s for st in self.program.steps if st.segment.is_graph
                                       for s in st.live_views)
         self._warned: set[str] = set()
@@ -364,6 +368,37 @@ class StageRuntime:
     def captured_buckets(self) -> dict[int, tuple[int, ...]]:
         """Per module instance (in order of first call), the buckets captured so far."""
         return {i: state.captured_buckets for i, state in enumerate(self._states.values())}
+
+    @contextlib.contextmanager
+    def instrumented(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+        """While open, graph-path calls run with their parts wrapped by ``wrap(category, fn)``: graph
+        replays and break segments as ``"segment bodies"``, copies into static buffers as ``"copy-in"``
+        (for profilers and benchmarks: ``bench/overhead.py``). The wrapped per-call code is generated at
+        the first call inside a block and kept for later blocks with the same ``wrap``; calls outside run
+        the plain code. Not for use while other threads call the stage."""
+        cached = self._instrumented.get(id(wrap))
+        if cached is None or cached[0] is not wrap:
+            program = dataclasses.replace(self.program, steps=tuple(
+                st if st.segment.is_graph else dataclasses.replace(
+                    st, fn=wrap("segment bodies", st.fn),
+                    call=None if st.call is None else wrap("segment bodies", st.call))
+                for st in self.program.steps))
+            copies = (wrap("copy-in", static_buffers.copy_rows), wrap("copy-in", static_buffers.copy_in))
+            cached = self._instrumented[id(wrap)] = (wrap, program, {}, copies)
+        _, program, forwards, (copy_rows, copy_in) = cached
+        saved = (self.program, self._graph_forwards, static_buffers.copy_rows, static_buffers.copy_in)
+        executors = [inst.executor for inst in self._states.values()]
+        for ex in executors:
+            ex.replay = wrap("segment bodies", ex.replay)  # type: ignore[method-assign]
+        # The generated code binds the copy functions when generated: generate inside the block.
+        static_buffers.copy_rows, static_buffers.copy_in = copy_rows, copy_in
+        self.program, self._graph_forwards = program, forwards
+        try:
+            yield
+        finally:
+            self.program, self._graph_forwards, static_buffers.copy_rows, static_buffers.copy_in = saved
+            for ex in executors:
+                ex.__dict__.pop("replay", None)
 
     def instances(self) -> tuple[StageInstance, ...]:
         """The captured state of each module instance served so far, in order of first call (read-only:

@@ -665,3 +665,26 @@ def test_a_failed_lazy_capture_leaves_the_other_buckets_serving(
     warnings = [r for r in caplog.records if "capture of bucket 16 failed" in r.getMessage()]
     assert len(warnings) == 1 and "no memory for bucket 16" in warnings[0].getMessage()
     assert _runtime().captured_buckets() == {0: (8,)}
+
+
+def test_instrumented_wraps_replays_breaks_and_copy_in_only_inside_the_block() -> None:
+    m = Stage()
+    c = _compile(m)
+    _check(c, m, 5)
+    rt = _runtime()
+    calls: dict[str, int] = {}
+
+    def wrap(category: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[category] = calls.get(category, 0) + 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for _ in range(2):
+        with rt.instrumented(wrap):
+            _check(c, m, 6)
+    segments = len(rt.program.steps)  # two graph replays and one break per call
+    assert calls["segment bodies"] == 2 * segments and calls["copy-in"] >= 2 * 2  # x and residual
+    before = dict(calls)
+    _check(c, m, 7)
+    assert calls == before  # outside the block: the plain code
