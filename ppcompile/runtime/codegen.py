@@ -54,6 +54,7 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.errors import add_note
 from ppcompile.runtime import static_buffers
 from ppcompile.runtime.layout_checks import CheckedValue, LiveLayouts
 from ppcompile.runtime.program import Program, Ref, Step
@@ -174,9 +175,7 @@ def live_forward_source(
 def _annotate(stage: str, segments: Sequence[str], e: BaseException, step: int) -> None:
     """Adds a note naming the failed segment to the exception in flight (its type is unchanged)."""
     where = f"segment {segments[step]}" if step >= 0 else "setup"
-    add_note = getattr(e, "add_note", None)  # Python >= 3.11
-    if add_note is not None:
-        add_note(f"pp_breakable: raised in {where} of {stage}, run eagerly")
+    add_note(e, f"pp_breakable: raised in {where} of {stage}, run eagerly")
 
 
 def make_live_forward(
@@ -278,10 +277,8 @@ def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool) 
 def _annotate_graph_path(stage: str, segments: Sequence[str], e: BaseException, step: int, n: int,
                          b: int) -> None:
     where = f"segment {segments[step]}" if step >= 0 else "the input copy-in"
-    add_note = getattr(e, "add_note", None)
-    if add_note is not None:
-        add_note(f"pp_breakable: raised in {where} of {stage} ({n} tokens, bucket {b}); the stage stays "
-                 "usable: the next call rewrites every static buffer it reads")
+    add_note(e, f"pp_breakable: raised in {where} of {stage} ({n} tokens, bucket {b}); the stage stays "
+             "usable: the next call rewrites every static buffer it reads")
 
 
 def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_args: bool) -> GraphForward:

@@ -33,6 +33,7 @@ import torch
 
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
+from ppcompile.errors import add_note
 from ppcompile.runtime import static_buffers
 from ppcompile.runtime.codegen import GraphForward, make_graph_forward, make_live_forward, replay_passes_args
 from ppcompile.runtime.compiled_stage import CompiledStage
@@ -51,13 +52,6 @@ log = logging.getLogger(__name__)
 
 class ConcurrentCallError(RuntimeError):
     """A compiled stage instance was entered while a call of it was still running."""
-
-
-def _add_note(e: BaseException, note: str) -> None:
-    """Adds context to an exception in flight without changing its type (a no-op before Python 3.11)."""
-    add = getattr(e, "add_note", None)
-    if add is not None:
-        add(note)
 
 
 class StageRuntime:
@@ -295,12 +289,12 @@ class StageRuntime:
         try:
             return self._capture(args, key)
         except Exception as e:
-            _add_note(e, f"pp_breakable: graphs are off for this module instance of {self.name}; later "
+            add_note(e, f"pp_breakable: graphs are off for this module instance of {self.name}; later "
                       "calls run eagerly")
             raise
         except BaseException as e:
             self._states.pop(key, None)
-            _add_note(e, f"pp_breakable: capture of {self.name} was interrupted; nothing it captured is "
+            add_note(e, f"pp_breakable: capture of {self.name} was interrupted; nothing it captured is "
                       "kept, and the next call captures again")
             raise
 
