@@ -64,6 +64,8 @@ class StageRuntime:
         self.compiled = compiled
         self.config = config
         self._observer = observer or NO_OBSERVER
+        # The compiled stage's fields the public API has always named on the runtime, and the ones each
+        # call reads (attributes, not a hop through ``compiled``, on the hot path).
         self.name = compiled.name
         self.program = compiled.program
         self.plan = compiled.plan
