@@ -20,6 +20,7 @@ from ppcompile.runtime.executors import ReplayAddressError
 from ppcompile.runtime.stage_runtime import ConcurrentCallError
 from ppcompile.runtime.stale_outputs import StaleOutputError
 from ppcompile.runtime.validation import InputMismatchError
+from ppcompile.torch_internals import register_backend
 from ppcompile.traffic import TokenHistogram, token_histogram
 
 __all__ = [
@@ -69,11 +70,7 @@ def _register_backend() -> None:
     Dynamo's entry-point discovery imports this package and then registers the backend itself; doing
     it here as well would raise "duplicate name". So register only when discovery has not seen us.
     """
-    from torch._dynamo.backends import registry
-
-    if BACKEND_NAME in registry._COMPILER_FNS or registry._BACKENDS.get(BACKEND_NAME) is not None:
-        return
-    registry.register_backend(pp_breakable, name=BACKEND_NAME)
+    register_backend(pp_breakable, BACKEND_NAME)
 
 
 _configure_logging()

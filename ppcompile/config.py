@@ -179,9 +179,9 @@ class PPBreakableConfig:
         if patches and self.segment_compiler != "inductor":
             _bad("inductor_config", dict(patches), "{} unless segment_compiler is 'inductor'")
         if patches:
-            import torch._inductor.config as inductor_config
+            from ppcompile.torch_internals import inductor_config_copy
 
-            known = inductor_config.get_config_copy()
+            known = inductor_config_copy()
             unknown = sorted(k for k in patches if k not in known)
             if unknown:
                 _bad("inductor_config", dict(patches), f"torch._inductor.config settings; {unknown} are "

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ppcompile.torch_internals import mark_dynamic
+
 __all__ = ["mark_token_dynamic"]
 
 
@@ -48,6 +50,6 @@ def mark_token_dynamic(*values: Any, dim: int = 0) -> int:
     marked = 0
     for t in _tensors(values):
         if t.dim() > dim:
-            torch._dynamo.mark_dynamic(t, dim)
+            mark_dynamic(t, dim)
             marked += 1
     return marked

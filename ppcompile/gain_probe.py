@@ -26,6 +26,7 @@ from ppcompile.models import (
     make_stage,
     set_forward_context,
 )
+from ppcompile.torch_internals import reset_dynamo
 
 __all__ = ["GainProbe", "probe_graph_gain"]
 
@@ -69,7 +70,7 @@ def probe_graph_gain(
     if model not in REFERENCE_CONFIGS:
         raise ValueError(f"probe_graph_gain: unknown model {model!r}; known: {sorted(REFERENCE_CONFIGS)}")
     cfg = REFERENCE_CONFIGS[model]
-    torch._dynamo.reset()
+    reset_dynamo()
     stage = make_stage(cfg, 0, 1).to(device)
     options: dict[str, Any] = {"capture_sizes": list(sizes)}
     compiled = torch.compile(stage, backend="pp_breakable", options=options)

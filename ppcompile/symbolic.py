@@ -9,8 +9,13 @@ from typing import Any
 
 import sympy
 import torch
-from torch.utils._sympy.interp import sympy_interp
-from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+from ppcompile.torch_internals import (
+    shape_env_guards,
+    symint_shape_env,
+    sympy_interp_logger_name,
+    sympy_interp_python,
+)
 
 __all__ = ["SizeFn", "example_value", "first_decrease", "first_exceeding", "holds_at", "shape_exprs",
            "shape_guards", "size_expr", "size_value_expr"]
@@ -26,7 +31,7 @@ def size_expr(size: int | torch.SymInt) -> sympy.Expr:
     if isinstance(size, torch.SymInt):
         node = size.node
         expr = node.expr
-        shape_env = getattr(node, "shape_env", None)
+        shape_env = symint_shape_env(size)
         if shape_env is not None:
             expr = shape_env.simplify(expr)
         return expr
@@ -88,7 +93,7 @@ class SizeFn:
         key = tuple(env[s] for s in self._symbols)
         out = self._cache.get(key)
         if out is None:
-            out = int(sympy_interp(PythonReferenceAnalysis, dict(env), self._expr))
+            out = int(sympy_interp_python(env, self._expr))
             if len(self._cache) < 65536:
                 self._cache[key] = out
         return out
@@ -101,7 +106,7 @@ class SizeFn:
 def _quiet_interpreter() -> Iterator[None]:
     """Sweeps evaluate expressions where they may be undefined (a division by a size that is 0 below the
     range a graph was traced for); torch's interpreter logs a warning for each such point."""
-    logger = logging.getLogger(sympy_interp.__module__)
+    logger = logging.getLogger(sympy_interp_logger_name())
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
@@ -157,15 +162,11 @@ def shape_guards(size: torch.SymInt, symbol: sympy.Symbol) -> tuple[sympy.Basic,
     turns a pad count into the constant 1). Bounds and inequalities (``s0 < 4``, ``Ne(s0, 8)``) simplify
     no size; they say which branch the Python took (a sliding-window mask or none), which graphed
     token-local ops do not depend on. ``size`` is any SymInt of the graph (it carries the ShapeEnv)."""
-    shape_env = getattr(size.node, "shape_env", None)
-    guards = getattr(shape_env, "guards", None)
-    if guards is None:
-        raise RuntimeError(
-            f"ppcompile: torch {torch.__version__} has no ShapeEnv.guards on a SymInt's shape env; "
-            "ppcompile reads it to know which token counts a graph was traced for"
-        )
-    exprs = (getattr(g, "expr", g) for g in guards)
-    return tuple(e for e in exprs if isinstance(e, sympy.Eq) and e.free_symbols == {symbol})
+    shape_env = symint_shape_env(size)
+    if shape_env is None:
+        raise RuntimeError(f"shape_guards: {size!r} belongs to no shape env (a traced SymInt has one)")
+    guards = shape_env_guards(shape_env)
+    return tuple(e for e in guards if isinstance(e, sympy.Eq) and e.free_symbols == {symbol})
 
 
 def holds_at(guards: tuple[sympy.Basic, ...], symbol: sympy.Symbol, value: int) -> bool:

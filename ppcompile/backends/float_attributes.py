@@ -34,6 +34,7 @@ import torch
 
 from ppcompile.records import InputKind
 from ppcompile.symbolic import example_value
+from ppcompile.torch_internals import floats_specialized, restart_with_floats_specialized
 
 __all__ = ["tensorify_float_attributes"]
 
@@ -106,15 +107,8 @@ def tensorify_float_attributes(gm: torch.fx.GraphModule) -> int:
 
 
 def _restart_specialised(names: list[str]) -> None:
-    try:
-        from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-        from torch._dynamo.symbolic_convert import TensorifyState
-    except ImportError:  # another torch: leave the float inputs to Inductor
-        return
-    if all(TensorifyState.should_specialize(n) for n in names):
+    if floats_specialized(names):
         return  # asked once already: never loop
     log.info("float attributes %s feed more than arithmetic: Dynamo re-traces with them as constants "
              "for Inductor segments", names)
-    for n in names:
-        TensorifyState.specialize(n)
-    raise TensorifyScalarRestartAnalysis
+    restart_with_floats_specialized(names)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ppcompile import torch_internals
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.debug.capture import CaptureRecorder
@@ -45,8 +46,7 @@ def stage_runtimes() -> list[StageRuntime]:
 
 
 def _graph_name() -> str:
-    ctx = torch._guards.CompileContext.try_get()
-    compile_id = getattr(ctx, "compile_id", None) if ctx is not None else None
+    compile_id = torch_internals.compile_id()
     suffix = str(compile_id).replace("/", "_") if compile_id is not None else str(len(_RUNTIMES))
     return f"stage_graph_{suffix}"
 

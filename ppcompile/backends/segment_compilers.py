@@ -41,6 +41,21 @@ from ppcompile.debug.progress import Progress
 from ppcompile.passes.context import PassContext
 from ppcompile.records import InputKind
 from ppcompile.symbolic import example_value, size_expr
+from ppcompile.torch_internals import (
+    OpOverload,
+    OpOverloadPacket,
+    current_shape_env,
+    dynamo_compile_start_ns,
+    inductor_compile,
+    inductor_config_copy,
+    is_float_symbol,
+    restart_analysis,
+    shape_env_hints,
+    static_fake_mode,
+    tracing_context,
+    without_dynamo_disable,
+)
+from ppcompile.torch_internals import shape_env_facts as _shape_facts  # a name tests patch
 
 __all__ = [
     "SEGMENT_INDUCTOR_DEFAULTS",
@@ -153,7 +168,7 @@ def _const(v: Any) -> str:
 def _target(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
     t = node.target
     if node.op == "call_function":
-        if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if isinstance(t, (OpOverload, OpOverloadPacket)):
             return str(t)
         return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', repr(t))}"
     if node.op == "get_attr":  # a tensor baked into the segment: shared only with the same tensor
@@ -220,13 +235,12 @@ def _float_symbols_hidden() -> Iterator[None]:
     ``float_attributes`` turned module floats into tensors), so without this every stage with a float
     input would be traced twice, and per-call floats would be specialised (a recompile per value).
     """
-    values = getattr(_shape_env(), "backed_var_to_val", None)
-    if not isinstance(values, dict):
+    shape_env = current_shape_env()
+    if shape_env is None:  # no Dynamo trace around this compile: no shape env to hide floats of
         yield
         return
-    from torch.utils._sympy.symbol import SymT, symbol_is_type
-
-    hidden = {k: v for k, v in values.items() if symbol_is_type(k, SymT.FLOAT)}
+    values = shape_env_hints(shape_env)
+    hidden = {k: v for k, v in values.items() if is_float_symbol(k)}
     for k in hidden:
         del values[k]
     try:
@@ -236,30 +250,20 @@ def _float_symbols_hidden() -> Iterator[None]:
 
 
 def _without_dynamo_disable(fn: SegmentFn) -> SegmentFn:
-    """``fn`` without the ``torch._dynamo.disable`` wrappers ``compile_fx`` puts around its artifact.
+    """``fn`` without the Dynamo ``disable`` wrappers ``compile_fx`` puts around its artifact.
 
     Each wrapper switches Dynamo's frame callback off and back on per call (about 1.5 us). A segment
     only ever runs inside its ``StageRuntime``, which Dynamo calls through a disable wrapper of its own
     ("do not trace Dynamo-compiled graph"), so the inner ones change nothing but the cost.
     """
-    # Only a wrapper itself: ``functools.wraps`` copies these attributes onto functions that wrap one
-    # (Inductor's output unflattening), and those must stay. Its id stamp tells them apart.
-    while getattr(fn, "_torchdynamo_disable", False) and getattr(fn, "_torchdynamo_wrapper_id", 0) == id(fn):
-        inner = getattr(fn, "_torchdynamo_orig_callable", None)
-        if not callable(inner):
-            break
-        fn = inner
-    return fn
+    return without_dynamo_disable(fn)
 
 
 def _compile_symbolic(gm: torch.fx.GraphModule, patches: Mapping[str, Any] | None = None) -> SegmentFn:
     """Inductor over the traced (fake, symbolic) inputs, inside Dynamo's tracing context."""
-    from torch._inductor.compile_fx import compile_fx
-
     inputs = [example_value(p) for p in gm.graph.find_nodes(op="placeholder")]
     with _float_symbols_hidden():
-        compiled: SegmentFn = compile_fx(  # type: ignore[assignment]
-            _copy(gm), inputs, config_patches=dict(patches) if patches else None)
+        compiled = inductor_compile(_copy(gm), inputs, patches)
     return _without_dynamo_disable(compiled)
 
 
@@ -288,21 +292,16 @@ def _compile_static(
     gm: torch.fx.GraphModule, token_symbol: sympy.Symbol, size: int, patches: Mapping[str, Any] | None = None
 ) -> SegmentFn:
     """Inductor with every token dim fixed to ``size``, in a tracing context of its own (no symbols)."""
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.compile_fx import compile_fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     env = {token_symbol: sympy.Integer(size)}
-    fake_mode = FakeTensorMode(static_shapes=True)
+    fake_mode = static_fake_mode()
     with fake_mode:
         inputs = [_concrete(example_value(p), env) for p in gm.graph.find_nodes(op="placeholder")]
     fresh = _copy(gm)
     for node in fresh.graph.nodes:  # symbolic meta of Dynamo's shape env must not leak into this one
         node.meta.pop("example_value", None)
         node.meta.pop("val", None)
-    with tracing(TracingContext(fake_mode)):
-        compiled: SegmentFn = compile_fx(  # type: ignore[assignment]
-            fresh, inputs, config_patches=dict(patches) if patches else None)
+    with tracing_context(fake_mode):
+        compiled = inductor_compile(fresh, inputs, patches)
     return _without_dynamo_disable(compiled)
 
 
@@ -362,7 +361,7 @@ def _compile_shared(
     sub: torch.fx.GraphModule, key: str, sizes: tuple[int, ...], ctx: PassContext
 ) -> tuple[SegmentFn, float, bool, tuple[int, ...]]:
     """The artifact for ``key``: from the process cache, or compiled now. Returns (fn, s, reused, sizes)."""
-    shape_env = _shape_env()
+    shape_env = current_shape_env()
     hit = _ARTIFACTS.get(key) if ctx.config.dedup_segments else None
     if hit is not None and (hit[1] is None or hit[1]() is shape_env):
         counters.segment_cache_hits += 1
@@ -398,24 +397,9 @@ def _compile_shared(
     return fn, seconds, False, tuple(done)
 
 
-def _shape_env() -> Any:
-    ctx = torch._guards.TracingContext.try_get()
-    return getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
-
-
-def _shape_facts(shape_env: Any) -> tuple[int, int, int]:
-    """What a compile can add to the shape env: guards, replacements, divisibility facts."""
-    if shape_env is None:
-        return (0, 0, 0)
-    return (len(getattr(shape_env, "guards", ())), len(getattr(shape_env, "replacements", {})),
-            len(getattr(shape_env, "divisible", ())))
-
-
 def _inductor_config_hash() -> str:
     """Inductor's settings now: an artifact compiled under other settings is not shared."""
-    import torch._inductor.config as inductor_config
-
-    items = sorted(inductor_config.get_config_copy().items(), key=lambda kv: kv[0])
+    items = sorted(inductor_config_copy().items(), key=lambda kv: kv[0])
     return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
 
 
@@ -447,7 +431,7 @@ def compile_segments(
         key = structural_key(sub, _input_kinds(node, placeholders, ctx), options)
         try:
             fn, seconds, reused, done = _compile_shared(sub, key, sizes, ctx)
-        except torch._dynamo.exc.RestartAnalysis:
+        except restart_analysis():
             raise  # Dynamo's own protocol: it re-traces and calls the backend again
         except Exception as e:
             progress.abort()
@@ -469,13 +453,9 @@ def compile_segments(
 
 # ----------------------------------------------------------------------------------- accounting
 def dynamo_trace_seconds() -> float | None:
-    """Seconds since Dynamo started compiling this frame (its trace), when torch exposes it."""
-    try:
-        metrics = torch._dynamo.utils.get_metrics_context()
-        start_ns = int(metrics._start_time_ns) if metrics.in_progress() else 0
-    except Exception:  # a torch without the metrics context: not obtainable
-        return None
-    return (time.time_ns() - start_ns) / 1e9 if start_ns > 0 else None
+    """Seconds since Dynamo started compiling this frame (its trace), or None outside a compile."""
+    start_ns = dynamo_compile_start_ns()
+    return (time.time_ns() - start_ns) / 1e9 if start_ns is not None else None
 
 
 def compile_times(

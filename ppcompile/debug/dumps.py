@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ppcompile.debug.runnable import runnable_source
+from ppcompile.torch_internals import trace_artifact
 
 __all__ = ["emit_artifact", "reset_stage_dir", "stage_dir", "write_graph", "write_text"]
 
@@ -74,13 +75,8 @@ def emit_artifact(
 
     Costs one function call when no trace handler is installed (``payload_fn`` is not called then).
     """
-    torch._logging.trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": f"{ARTIFACT_PREFIX}_{name}", "encoding": encoding},
-        payload_fn=payload_fn,
-        expect_trace_id=False,
-        compile_id=compile_id,
-    )
+    trace_artifact(lambda: {"name": f"{ARTIFACT_PREFIX}_{name}", "encoding": encoding}, payload_fn,
+                   compile_id)
 
 
 def write_graph(

@@ -24,6 +24,7 @@ from ppcompile.debug.capture import capture_records
 from ppcompile.debug.dumps import emit_artifact, stage_dir, write_graph, write_text
 from ppcompile.runtime.executors import EXECUTORS
 from ppcompile.symbolic import SizeFn, example_value, size_expr
+from ppcompile.torch_internals import compile_id, shape_env_hints, symint_shape_env
 
 if TYPE_CHECKING:
     from ppcompile.passes.context import PassContext
@@ -46,8 +47,7 @@ class _Size:
         self.hints: dict[sympy.Symbol, int] = {}
         for s in value.shape:
             if isinstance(s, torch.SymInt):
-                env = getattr(s.node, "shape_env", None)
-                vals = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", None) or {}
+                vals = shape_env_hints(symint_shape_env(s))
                 for sym in size_expr(s).free_symbols:
                     if sym != token_symbol:
                         self.hints[sym] = int(vals.get(sym, 1))
@@ -116,7 +116,7 @@ class _StageInfo:
 
     def __init__(self, runtime: StageRuntime, split: torch.fx.GraphModule, ctx: PassContext) -> None:
         self.pass_times = dict(ctx.pass_times)
-        self.compile_id = torch._guards.CompileContext.current_compile_id()
+        self.compile_id = compile_id()
         self._split: torch.fx.GraphModule | None = split
         self._graph_segments = [st.segment.name for st in runtime.program.steps if st.segment.is_graph]
         self._token_symbol = runtime.token_symbol

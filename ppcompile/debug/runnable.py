@@ -17,6 +17,13 @@ import sympy
 import torch
 
 from ppcompile.symbolic import example_value, size_expr
+from ppcompile.torch_internals import (
+    OpOverload,
+    OpOverloadPacket,
+    custom_op_module,
+    shape_env_hints,
+    symint_shape_env,
+)
 
 __all__ = ["runnable_source"]
 
@@ -36,28 +43,17 @@ def _op_imports(gm: torch.fx.GraphModule) -> list[str]:
             target = node.target
             if node.op != "call_function":
                 continue
-            if isinstance(target, torch._ops.OpOverload):
+            if isinstance(target, OpOverload):
                 target = target.overloadpacket
-            if not isinstance(target, torch._ops.OpOverloadPacket):
+            if not isinstance(target, OpOverloadPacket):
                 continue
             qualname = target._qualified_op_name
             if qualname.split("::")[0] in _BUILTIN_NAMESPACES or qualname in lines:
                 continue
-            module = _registering_module(qualname)
+            module = custom_op_module(qualname)
             lines[qualname] = (f"import {module}  # registers {qualname}" if module else
                                f"# {qualname}: import the module that registers this op before running")
     return sorted(set(lines.values()))
-
-
-def _registering_module(qualname: str) -> str | None:
-    try:
-        from torch._library.custom_ops import OPDEFS
-    except ImportError:  # pragma: no cover - private API moved
-        return None
-    opdef = OPDEFS.get(qualname)
-    fn = getattr(opdef, "_init_fn", None)
-    module = getattr(fn, "__module__", None)
-    return module if isinstance(module, str) and not module.startswith("__") else None
 
 
 def _global_imports(gm: torch.fx.GraphModule) -> tuple[list[str], list[str]]:
@@ -90,8 +86,7 @@ class _Symbols:
     def expr(self, size: int | torch.SymInt) -> sympy.Expr:
         expr = size_expr(size)
         if isinstance(size, torch.SymInt):
-            shape_env = getattr(size.node, "shape_env", None)
-            var_to_val = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {})
+            var_to_val = shape_env_hints(symint_shape_env(size))
             for s in expr.free_symbols:
                 if s not in self.hints:
                     hint = var_to_val.get(s)

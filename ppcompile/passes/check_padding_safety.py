@@ -39,6 +39,7 @@ from ppcompile.passes.op_matching import OpMatcher, always_split_ops, resolve_op
 from ppcompile.passes.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
 from ppcompile.passes.token_locality import is_registered_token_local, op_name, rule_for, written_input
 from ppcompile.symbolic import SizeFn, example_value, first_decrease, shape_exprs
+from ppcompile.torch_internals import tree_leaves
 
 __all__ = ["PaddingSafetyError", "check_padding_safety"]
 
@@ -58,7 +59,7 @@ def _op_label(node: torch.fx.Node) -> str:
 def _touches_tokens(node: torch.fx.Node) -> bool:
     if node.meta.get("pp_token_dims"):
         return True
-    args = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+    args = tree_leaves((node.args, node.kwargs))
     return any(isinstance(a, torch.fx.Node) and a.meta.get("pp_token_dims") for a in args)
 
 

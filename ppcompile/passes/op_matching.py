@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ppcompile.torch_internals import C_SCALED_DOT_PRODUCT_ATTENTION, OpOverload, OpOverloadPacket
+
 __all__ = [
     "ATTENTION_LAYER_ARGS",
     "OpMatcher",
@@ -21,7 +23,7 @@ ATTENTION_LAYER_ARGS: dict[str, str] = {"ppcompile::attention": "layer_id"}
 
 _SDPA_TARGETS: tuple[Any, ...] = (
     torch.nn.functional.scaled_dot_product_attention,
-    torch._C._nn.scaled_dot_product_attention,
+    C_SCALED_DOT_PRODUCT_ATTENTION,
     torch.ops.aten.scaled_dot_product_attention,
     torch.ops.aten._scaled_dot_product_flash_attention,
     torch.ops.aten._scaled_dot_product_efficient_attention,
@@ -49,9 +51,9 @@ def resolve_op(op: str | Any) -> Any:
 
 
 def _qualname(op: Any) -> str:
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         op = op.overloadpacket
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, OpOverloadPacket):
         return op._qualified_op_name
     return getattr(op, "__qualname__", str(op))
 
@@ -75,9 +77,9 @@ class OpMatcher:
         for op in ops:
             op = resolve_op(op)
             self._targets.add(op)
-            if isinstance(op, torch._ops.OpOverload):
+            if isinstance(op, OpOverload):
                 self._targets.add(op.overloadpacket)
-            elif isinstance(op, torch._ops.OpOverloadPacket):
+            elif isinstance(op, OpOverloadPacket):
                 self._targets.update(getattr(op, o) for o in op.overloads())
 
     def matches(self, node: torch.fx.Node) -> bool:
@@ -86,14 +88,14 @@ class OpMatcher:
         target = node.target
         if target in self._targets:
             return True
-        return isinstance(target, torch._ops.OpOverload) and target.overloadpacket in self._targets
+        return isinstance(target, OpOverload) and target.overloadpacket in self._targets
 
 
 def attention_layer_id(node: torch.fx.Node) -> int | None:
     """The global layer id argument of a call to a registered attention op, or None."""
     target = node.target
-    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
+    packet = target.overloadpacket if isinstance(target, OpOverload) else target
+    if not isinstance(packet, OpOverloadPacket):
         return None
     arg_name = ATTENTION_LAYER_ARGS.get(packet._qualified_op_name)
     if arg_name is None:
@@ -101,7 +103,7 @@ def attention_layer_id(node: torch.fx.Node) -> int | None:
     if arg_name in node.kwargs:
         value = node.kwargs[arg_name]
     else:
-        schema = (target if isinstance(target, torch._ops.OpOverload) else packet.default)._schema
+        schema = (target if isinstance(target, OpOverload) else packet.default)._schema
         names = [a.name for a in schema.arguments]
         if arg_name not in names or names.index(arg_name) >= len(node.args):
             return None

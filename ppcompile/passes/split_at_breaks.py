@@ -45,6 +45,7 @@ from ppcompile.passes.op_matching import OpMatcher, always_split_ops
 from ppcompile.passes.token_locality import VIEW_OPS
 from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
 from ppcompile.symbolic import example_value, shape_exprs, size_expr
+from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves
 
 __all__ = ["split_at_breaks"]
 
@@ -55,7 +56,7 @@ _COPIED_META = ("example_value", "val", "pp_token_dims", "pp_size_expr")
 
 def _op_name(node: torch.fx.Node) -> str:
     target = node.target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(target, (OpOverload, OpOverloadPacket)):
         return str(target)
     return getattr(target, "__name__", str(target))
 
@@ -70,7 +71,7 @@ def _mentions_other_symbols(node: torch.fx.Node, ctx: PassContext) -> bool:
     elif isinstance(value, torch.SymInt):
         exprs.append(size_expr(value))
     # A size argument baked into a graph at capture would be replayed with a stale value.
-    for arg in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+    for arg in tree_leaves((node.args, node.kwargs)):
         if isinstance(arg, torch.fx.Node) and "pp_size_expr" in arg.meta:
             exprs.append(arg.meta["pp_size_expr"])
         elif isinstance(arg, torch.fx.Node) and isinstance(example_value(arg), torch.Tensor):
@@ -217,7 +218,7 @@ def _fold_tiny_graphs(
 def _has_tensor_output(submod: torch.fx.GraphModule) -> bool:
     (out,) = submod.graph.find_nodes(op="output")
     values = torch.fx.node.map_arg(out.args, lambda n: n)
-    flat = torch.utils._pytree.tree_leaves(values)
+    flat = tree_leaves(values)
     return any(isinstance(n, torch.fx.Node) and isinstance(example_value(n), torch.Tensor) for n in flat)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ppcompile.passes.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
+from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves
 
 __all__ = [
     "RULES",
@@ -43,7 +44,7 @@ def register_token_local_op(op: Any) -> None:
 
 
 def is_registered_token_local(target: Any, extra: Sequence[Any] = ()) -> bool:
-    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else None
+    packet = target.overloadpacket if isinstance(target, OpOverload) else None
     pool = _REGISTERED.union(extra)
     return target in pool or (packet is not None and packet in pool)
 
@@ -96,7 +97,7 @@ def _touching(dims: list[int] | None, src: Any, what: str) -> str | None:
 def pointwise(node: torch.fx.Node) -> str | None:
     """Elementwise with broadcasting: each input token dim must land on the same output token dim."""
     out, rank = _dims(node), _ndim(node)
-    flat = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+    flat = tree_leaves((node.args, node.kwargs))
     for arg in flat:
         for d, expr in _dims(arg).items():
             o = d + rank - _ndim(arg)
@@ -344,8 +345,8 @@ def rule_for(node: torch.fx.Node) -> Rule | None:
     if node.op == "call_method":
         return RULES.get(str(node.target))
     target = node.target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    if isinstance(target, (OpOverload, OpOverloadPacket)):
+        packet = target.overloadpacket if isinstance(target, OpOverload) else target
         if packet._qualified_op_name.startswith("aten::"):
             return RULES.get(packet._qualified_op_name[len("aten::"):])
         return None  # custom ops: unknown unless registered

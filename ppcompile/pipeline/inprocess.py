@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ppcompile import torch_internals
 from ppcompile.counters import counters
 from ppcompile.dynamic import mark_token_dynamic
 from ppcompile.models import (
@@ -250,7 +251,4 @@ def trace_since(rank: int, before: dict[str, Any] | None, seconds: float) -> Sta
 
 def raise_recompile_limit(limit: int) -> None:
     """Many stage instances share one forward code object; Dynamo's default limit (8) is too low."""
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name) and getattr(cfg, name) < limit:
-            setattr(cfg, name, limit)
+    torch_internals.raise_recompile_limit(limit)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ppcompile.runtime.program import strides_match
+from ppcompile.torch_internals import has_internal_overlap, storage_from_data_pointer
 
 __all__ = [
     "EXECUTORS",
@@ -132,7 +133,7 @@ class GraphExecutor(abc.ABC):
 def _writable(value: Any) -> Any:
     """An output replays can copy into: a tensor whose elements share memory (``expand``'s stride 0)
     cannot be a copy destination, so it is captured as a dense copy (same values, own memory)."""
-    if isinstance(value, torch.Tensor) and torch._debug_has_internal_overlap(value) == 1:
+    if isinstance(value, torch.Tensor) and has_internal_overlap(value):
         return value.clone(memory_format=torch.contiguous_format)
     return value
 
@@ -241,7 +242,7 @@ def non_owning(t: torch.Tensor) -> torch.Tensor:
     """A tensor on ``t``'s memory that does not keep it allocated (a weak reference, as vLLM's
     ``weak_ref_tensor``); made in ``t``'s inference mode, so Dynamo sees the same kind of tensor."""
     storage = t.untyped_storage()
-    view = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    view = storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
     with torch.inference_mode(t.is_inference()):
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(
             view, t.storage_offset(), t.shape, t.stride())

@@ -27,7 +27,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from ppcompile.torch_internals import tree_leaves
 
 __all__ = ["OutputTracker", "StaleOutput", "StaleOutputError"]
 
