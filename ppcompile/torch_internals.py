@@ -4,14 +4,14 @@ Nothing else in ``ppcompile`` touches ``torch._*``, ``torch.utils._*`` or ``torc
 (``tests/test_torch_internals.py`` checks it, and calls every entry on the installed torch). An entry whose
 API is gone raises :class:`TorchInternalsError` naming the torch version and the missing module or
 attribute; none falls back silently. Entries used at import or per call are bound when this module is
-imported; the others resolve on their first call. Supported: torch >= 2.11 (every entry below exists
-unchanged from 2.11 to 2.13, so none needs a per-version branch).
+imported; the others look their API up at each call (a dict lookup beside what they call), so a patched
+attribute is seen. Supported: torch >= 2.11; every entry below exists unchanged from 2.11 to 2.13, so
+none needs a per-version branch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -51,9 +51,9 @@ def _attr(obj: Any, path: str, owner: str, why: str) -> Any:
     return obj
 
 
-@functools.cache
 def _lookup(module: str, path: str, why: str) -> Any:
-    """``module.<path>``, imported once; a missing module or attribute raises, naming it."""
+    """``module.<path>`` as it is now (read per call, so a patched attribute is seen); a missing module
+    or attribute raises, naming it."""
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
