@@ -45,8 +45,8 @@ import torch
 import torch.fx.traceback
 from torch import nn
 
-__all__ = ["ANNOTATION_KEY", "declared_classes", "declared_functions", "eager_region", "is_declared",
-           "token_local", "undeclare"]
+__all__ = ["ANNOTATION_KEY", "class_label", "declared_classes", "declared_functions", "eager_region",
+           "is_declared", "token_local", "undeclare"]
 
 ANNOTATION_KEY = "pp_token_local"
 """Key of ``node.meta["custom"]`` holding the declared instance's label."""
@@ -60,7 +60,8 @@ def declared_classes() -> dict[type, str]:
     return dict(_CLASSES)
 
 
-def _label(cls: type) -> str:
+def class_label(cls: type) -> str:
+    """How declarations and the pass name a module class: ``module.QualName``."""
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -71,12 +72,12 @@ def token_local(target: type[nn.Module] | nn.Module) -> Any:
     if isinstance(target, type):
         if not issubclass(target, nn.Module):
             raise TypeError(f"token_local: {target.__qualname__} is not an nn.Module subclass")
-        _CLASSES[target] = _label(target)
+        _CLASSES[target] = class_label(target)
         return target
     if not isinstance(target, nn.Module):
         raise TypeError(f"token_local: expected an nn.Module class or instance, got {type(target).__name__}")
     if getattr(target.forward, "__pp_token_local__", None) is None:
-        target.forward = _annotated(target.forward, _label(type(target)))
+        target.forward = _annotated(target.forward, class_label(type(target)))
     return target
 
 

@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
 
 import torch
 
 from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.regions import ANNOTATION_KEY, declared_classes, declared_functions
+from ppcompile.regions import ANNOTATION_KEY, class_label, declared_classes, declared_functions
 
 __all__ = ["find_declared_regions"]
 
@@ -49,12 +48,6 @@ log = logging.getLogger(__name__)
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")  # Dynamo's source of the compiled module itself
 _FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
-
-
-def _class_label(cls: Any) -> str:
-    if isinstance(cls, type):
-        return f"{cls.__module__}.{cls.__qualname__}"
-    return str(cls)  # some torch releases record the class by name
 
 
 def _readable(path: str) -> str:
@@ -69,7 +62,7 @@ def _region_of(node: torch.fx.Node, classes: set[str]) -> str | None:
     stack = list((node.meta.get("nn_module_stack") or {}).values())
     for entry in stack:
         path, cls = entry if isinstance(entry, tuple) and len(entry) == 2 else (str(entry), None)
-        label = _class_label(cls)
+        label = class_label(cls) if isinstance(cls, type) else str(cls)  # some torch releases: a name
         if label in classes or label == annotated:
             return f"{_readable(str(path))} ({label})"
     if annotated is not None:
