@@ -85,10 +85,16 @@ class StageInstance:
 
     # ----------------------------------------------------------------------------------- capture
     def _allocate(self, slot: int, spec: Any, env_max: dict[sympy.Symbol, int]) -> torch.Tensor:
-        """The static buffer of ``slot``, in its traced dim order (``static_buffers.allocate``)."""
+        """The static buffer of ``slot`` in the layout its graph segments were compiled for: the traced
+        strides when they hold at every bucket, else the traced dim order (``static_buffers.allocate``)."""
         described = self._static_layouts.get(slot)
-        traced = described[1].at(env_max) if described is not None else None
-        return allocate(spec, traced[1] if traced is not None else None)
+        if described is None:
+            return allocate(spec)
+        layout = described[1]
+        traced = layout.at(env_max)
+        token = self._compiled.token_symbol
+        exact = all(token not in f.expr.free_symbols for f in layout.strides)
+        return allocate(spec, traced[1] if traced is not None else None, exact=exact)
 
     def capture(self, runtime: Any, args: Sequence[Any], env: dict[sympy.Symbol, int],
                 buckets: Sequence[int], observer: CaptureObserver, budget_s: float | None = None) -> None:

@@ -16,10 +16,18 @@ TokenDims = tuple[tuple[int, SizeFn], ...]
 Env = Mapping[sympy.Symbol, int]
 
 
-def allocate(spec: StaticBuffer, strides: Sequence[int] | None = None) -> torch.Tensor:
-    """A zero-filled buffer of ``spec``'s largest-bucket shape, row-major, or with its dims in the memory
-    order of ``strides`` (the traced value's strides at the largest bucket): graph segments are compiled
-    for the traced layout, and a bucket's view (narrowed along the token dims) keeps that order.
+def allocate(spec: StaticBuffer, strides: Sequence[int] | None = None, exact: bool = False) -> torch.Tensor:
+    """A zero-filled buffer of ``spec``'s largest-bucket shape for graph segments compiled for the traced
+    layout, whose strides at the largest bucket are ``strides``:
+
+    * ``exact``: the traced strides do not depend on the token count, so a buffer with exactly these
+      strides, narrowed along its token dims, has the traced strides at every bucket. This covers
+      inputs that are not contiguous, such as hidden states sliced out of a receive buffer that holds
+      hidden states and residual side by side (strides ``[2H, 1]`` for ``[T, H]``): the buffer keeps
+      the gaps, and copy-in fills its rows from any source layout. Overlapping strides (a broadcast
+      input) are never exact: rows written in one place would land in another.
+    * otherwise: dense, with its dims in the memory order of ``strides`` (outermost first; row-major
+      without them); a bucket's view (narrowed along the token dims) keeps that order.
 
     Made in the caller's inference mode: under ``torch.inference_mode()`` it is an inference tensor,
     like everything eager creates there, so what the graph path returns looks to Dynamo exactly like
@@ -30,9 +38,23 @@ def allocate(spec: StaticBuffer, strides: Sequence[int] | None = None) -> torch.
     with torch.no_grad():
         if strides is None or len(strides) != len(shape):
             return torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        if exact and _non_overlapping(shape, strides):
+            buf = torch.empty_strided(shape, tuple(strides), dtype=spec.dtype, device=spec.device)
+            return buf.zero_()
         order = sorted(range(len(shape)), key=lambda d: -strides[d])  # outermost first; stable on ties
         physical = torch.zeros([shape[d] for d in order], dtype=spec.dtype, device=spec.device)
         return physical.permute([order.index(d) for d in range(len(shape))])
+
+
+def _non_overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether no two elements of a ``shape`` tensor with ``strides`` share an address (each dim's
+    stride clears the extent of the dims inside it)."""
+    extent = 1
+    for d in sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: strides[d]):
+        if strides[d] < extent:
+            return False
+        extent = strides[d] * shape[d]
+    return True
 
 
 def narrow_to(t: torch.Tensor, dims: TokenDims, env: Env) -> torch.Tensor:

@@ -120,3 +120,14 @@ def test_allocate_keeps_the_traced_dim_order_so_bucket_views_keep_the_traced_str
     assert view.stride() == (4, 8, 1)  # the traced strides at T = 8: (4, 2 * 4, 1)
     row_major = allocate(_spec((2, 16, 4), token_dims=(1,)))
     assert row_major.stride() == (64, 4, 1)
+
+
+def test_allocate_exact_keeps_strides_with_gaps_and_refuses_overlap() -> None:
+    """Hidden states sliced from a [T, 2H] receive buffer have strides (2H, 1): an exact buffer keeps
+    them at every bucket. Stride-0 dims (a broadcast input) would make rows share memory: dense instead."""
+    buf = allocate(_spec((16, 4)), strides=(8, 1), exact=True)
+    assert buf.stride() == (8, 1) and not buf.any()
+    assert narrow_to(buf, ((0, TOKENS),), _env(8)).stride() == (8, 1)
+    broadcast = allocate(_spec((16, 4)), strides=(0, 1), exact=True)
+    assert 0 not in broadcast.stride()
+    assert allocate(_spec((16, 4)), strides=(8, 1)).stride() == (4, 1)  # not exact: dense, traced order
