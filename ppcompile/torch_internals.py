@@ -27,6 +27,7 @@ __all__ = [
     "restart_with_floats_specialized", "shape_env_facts", "shape_env_guards", "shape_env_hints",
     "static_fake_mode", "storage_from_data_pointer", "symint_shape_env", "sympy_interp_logger_name",
     "sympy_interp_python", "trace_artifact", "tracing_context", "tree_leaves", "without_dynamo_disable",
+    "written_arguments",
 ]
 
 
@@ -271,6 +272,15 @@ def custom_op_module(qualname: str) -> str | None:
         return None
     module = _attr(_attr(opdef, "_init_fn", "CustomOpDef", why), "__module__", "a custom op's function", why)
     return module if isinstance(module, str) and not module.startswith("__") else None
+
+
+def written_arguments(op: OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``op``'s schema marks as written in place (``Tensor(a!)``:
+    an out-variant op's ``out``, an in-place op's ``self``)."""
+    why = "to find the arguments an op writes in place"
+    arguments = _attr(op, "_schema.arguments", "OpOverload", why)
+    return tuple((i, a.name) for i, a in enumerate(arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
 
 
 def trace_artifact(

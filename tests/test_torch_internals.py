@@ -86,6 +86,9 @@ def test_symbol_and_op_entries() -> None:
     assert not ti.is_float_symbol(make_symbol(SymT.SIZE, 0))
     assert ti.custom_op_module("pptest_internals::twice") == __name__
     assert ti.custom_op_module("aten::add") is None
+    assert ti.written_arguments(torch.ops.aten.add_.Tensor) == ((0, "self"),)
+    assert ti.written_arguments(torch.ops.aten.add.out) == ((3, "out"),)
+    assert ti.written_arguments(torch.ops.aten.add.Tensor) == ()
 
 
 def test_dynamo_entries() -> None:

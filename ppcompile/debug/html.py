@@ -81,7 +81,10 @@ function showSegment(i) {
     (r.stack_trace ? '<pre>' + esc(r.stack_trace.trim()) + '</pre>' : '');
   const codes = xs => xs.map(x => '<code>' + esc(x) + '</code>').join(' ');
   if (s.reads_static.length) h += '<div>Reads static buffers: ' + codes(s.reads_static) + '</div>';
-  if (s.writes_static.length) h += '<div>Writes static bridges: ' + codes(s.writes_static) + '</div>';
+  if (s.writes_static.length)
+    h += '<div>Writes static bridges (copied): ' + codes(s.writes_static) + '</div>';
+  if ((s.writes_in_place || []).length)
+    h += '<div>Writes in place (no bridge): ' + codes(s.writes_in_place) + '</div>';
   if (s.output_bytes_at_cap != null) h += '<div class="muted">At the cap: outputs ' +
     fmtB(s.output_bytes_at_cap) + ', peak intermediates ' + fmtB(s.transient_bytes_at_cap) + '</div>';
   const d = document.getElementById('details'); d.className = ''; d.innerHTML = h;
@@ -138,7 +141,9 @@ def _tooltip(seg: dict[str, Any]) -> str:
     if seg["reads_static"]:
         lines.append("reads static: " + ", ".join(seg["reads_static"]))
     if seg["writes_static"]:
-        lines.append("writes bridges: " + ", ".join(seg["writes_static"]))
+        lines.append("writes bridges (copied): " + ", ".join(seg["writes_static"]))
+    if seg.get("writes_in_place"):
+        lines.append("writes in place (no bridge): " + ", ".join(seg["writes_in_place"]))
     return "\n".join(lines)
 
 

@@ -270,6 +270,15 @@ def _buffers(runtime: StageRuntime) -> tuple[list[dict[str, Any]], dict[int, str
     return buffers, names
 
 
+def _produced_by(program: Any, slot: int) -> str:
+    """``segment[i]``: the segment output held in ``slot``."""
+    for st in program.steps:
+        for i, s in st.writes:
+            if s == slot:
+                return f"{st.segment.name}[{i}]"
+    return f"slot {slot}"
+
+
 def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageInfo | None) -> list[Any]:
     out = []
     cap = runtime.plan.cap
@@ -293,6 +302,7 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageI
             "reads_static": [buffer_names[r.slot] for r in step.args
                              if seg.is_graph and r.slot in buffer_names],
             "writes_static": [buffer_names[s] for s in step.bridges if s in buffer_names],
+            "writes_in_place": [_produced_by(runtime.program, s) for s in step.in_place],
             "output_bytes_at_cap": mem.output_bytes(cap) if mem else None,
             "transient_bytes_at_cap": mem.transient_bytes(cap) if mem else None,
         })

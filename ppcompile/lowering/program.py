@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ppcompile.passes.token_locality import mutated_inputs
 from ppcompile.records import Segment
 from ppcompile.runtime.program import Program, Ref, SegmentFn, Step, TensorLayout
 from ppcompile.symbolic import SizeFn, example_value, size_expr
@@ -49,6 +50,13 @@ def _output_sizes(out: torch.fx.Node, multi: bool) -> tuple[tuple[SizeFn, ...] |
 def _output_layouts(out: torch.fx.Node, multi: bool) -> tuple[TensorLayout | None, ...]:
     values = _output_values(out, multi)
     return tuple(TensorLayout.of(ev) if isinstance(ev, torch.Tensor) else None for ev in values)
+
+
+def _written_args(submod: torch.fx.GraphModule) -> set[int]:
+    """Positions of ``submod``'s inputs that its ops write in place (through views)."""
+    placeholders = list(submod.graph.find_nodes(op="placeholder"))
+    written = {p for node in submod.graph.nodes if node.op == "call_function" for p in mutated_inputs(node)}
+    return {i for i, p in enumerate(placeholders) if p in written}
 
 
 def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[..., Any]]) -> Program:
@@ -110,6 +118,7 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
     graph_reads = {a.slot for st in steps if st.segment.is_graph for a in st.args if a.slot >= 0}
     live_reads = {a.slot for st in steps if not st.segment.is_graph for a in st.args if a.slot >= 0}
     live_reads |= {r.slot for r in outputs if isinstance(r, Ref) and r.slot >= 0}
+    graph_outputs = {s for st in steps if st.segment.is_graph for s in st.out_slots if s >= 0}
     finished = []
     for st in steps:
         if st.segment.is_graph:
@@ -119,7 +128,10 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
             finished.append(dataclasses.replace(st, live_views=tensors, live_values=numbers))
         else:
             bridges = tuple(s for s in st.out_slots if s in graph_reads)
-            finished.append(dataclasses.replace(st, bridges=bridges))
+            written = _written_args(getattr(split, st.segment.name))
+            in_place = tuple(st.args[i].slot for i in sorted(written)
+                             if st.args[i].slot in graph_outputs)
+            finished.append(dataclasses.replace(st, bridges=bridges, in_place=in_place))
     bridge_buffers = {slots[n]: n.meta["pp_static_buffer"] for n in slots
                       if n.op != "placeholder" and "pp_static_buffer" in n.meta}
     input_buffers = {

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ppcompile.passes.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
-from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves
+from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves, written_arguments
 
 __all__ = [
     "RULES",
@@ -338,6 +338,31 @@ def written_input(node: torch.fx.Node) -> torch.fx.Node | None:
             return None
         base = base.args[0]
     return base if base.op == "placeholder" else None
+
+
+def _base_input(value: Any) -> torch.fx.Node | None:
+    """The graph input ``value`` views (through any chain of views), or None."""
+    while isinstance(value, torch.fx.Node) and value.op != "placeholder":
+        viewing = value.op in ("call_function", "call_method") and op_name(value) in VIEW_OPS
+        if not viewing or not value.args:
+            return None
+        value = value.args[0]
+    return value if isinstance(value, torch.fx.Node) else None
+
+
+def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The graph inputs ``node`` writes in place: an in-place method's ``self`` (:func:`written_input`)
+    and every argument an op's schema marks as written (an out-variant op's ``out``), through views."""
+    written = written_input(node)
+    found = [] if written is None else [written]
+    target = node.target
+    if node.op == "call_function" and isinstance(target, OpOverload):
+        for i, name in written_arguments(target):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+            base = _base_input(value)
+            if base is not None and base not in found:
+                found.append(base)
+    return found
 
 
 def rule_for(node: torch.fx.Node) -> Rule | None:

@@ -70,6 +70,9 @@ class Step:
     live_views: tuple[int, ...] = ()  # graph tensor outputs that breaks or callers read at live size
     live_values: tuple[int, ...] = ()  # graph non-tensor outputs (numbers) that breaks or callers read
     bridges: tuple[int, ...] = ()  # break outputs that graphs read through a static bridge
+    # Graph outputs this break writes in place (an out-variant op's ``out``): later graphs read the
+    # written static memory itself, so they need no bridge.
+    in_place: tuple[int, ...] = ()
     # (output index, slot) for the outputs someone reads.
     writes: tuple[tuple[int, int], ...] = ()
     # Per output, from the traced values: a tensor's size per dim, a number's value, or None.
