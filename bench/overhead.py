@@ -54,6 +54,9 @@ _TOKENS = 6  # live tokens per forward (bucket 8)
 _BUCKETS = [4, 8, 16]
 
 
+_PARTS = {"graph replays": "segment bodies", "break segments": "segment bodies", "bridge copies": "copy-in"}
+
+
 class Stopwatch:
     """Exclusive time per category of nested wrapped calls."""
 
@@ -136,7 +139,11 @@ def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mod
         args = _args_dynamo_passes(runtime, lambda: compiled(ids, pos))
         dynamo_eager = torch.compile(stage, backend="eager")
         watch = Stopwatch()
-        wrap = watch.wrap  # one object: the runtime keeps the instrumented code it generates per hook
+
+        def wrap(category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            """The runtime's parts, grouped: segment bodies (replays and breaks) and copies."""
+            return watch.wrap(_PARTS.get(category, category), fn)
+        # One object for the whole run: the runtime keeps the instrumented code it generates per hook.
 
         def run_instrumented() -> None:
             with runtime.instrumented(wrap):

@@ -60,8 +60,8 @@ from ppcompile.runtime.layout_checks import CheckedValue, LiveLayouts
 from ppcompile.runtime.program import Program, Ref, Step
 from ppcompile.symbolic import SizeFn
 
-__all__ = ["GraphForward", "LiveForward", "graph_forward_source", "live_forward_source", "make_graph_forward",
-           "make_live_forward", "replay_passes_args"]
+__all__ = ["CopyFunctions", "GraphForward", "LiveForward", "copy_functions", "graph_forward_source",
+           "live_forward_source", "make_graph_forward", "make_live_forward", "replay_passes_args"]
 
 LiveForward = Callable[[Sequence[Any], Mapping[sympy.Symbol, int]], tuple[Any, ...]]
 GraphForward = Callable[..., tuple[Any, ...]]
@@ -198,7 +198,18 @@ def replay_passes_args(binds_inputs: bool, debug: bool) -> bool:
     return not binds_inputs or debug
 
 
-def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool) -> tuple[str, dict[str, Any]]:
+CopyFunctions = Mapping[str, Callable[..., None]]  # "copy_rows", "copy_in", "bridge_rows", "bridge_in"
+
+
+def copy_functions() -> dict[str, Callable[..., None]]:
+    """The copy functions graph paths call, as ``static_buffers`` has them now (looked up per call, not
+    at import: a test may have swapped one for a lossy copy): inputs and bridges alike."""
+    rows, into = static_buffers.copy_rows, static_buffers.copy_in
+    return {"copy_rows": rows, "copy_in": into, "bridge_rows": rows, "bridge_in": into}
+
+
+def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool,
+                         copies: CopyFunctions | None = None) -> tuple[str, dict[str, Any]]:
     """The generated source of ``program``'s graph path for one bucket and the globals it reads.
 
     ``binds_inputs``: the executor's replays read what they captured (a CUDA graph), so their outputs
@@ -206,29 +217,29 @@ def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool) 
     the bucket's table). ``pass_args``: hand each replay its arguments (a non-binding executor, or the
     debug address check). The steps of a graph-path call: copy the live inputs into their static buffers
     (zeroing the padding rows), replay graph segments, narrow what breaks and callers read to the live
-    size, run breaks on live tensors and copy what graphs read into static bridges.
+    size, run breaks on live tensors and copy what graphs read into static bridges. ``copies``: the
+    functions that copy inputs and bridges (default :func:`copy_functions`; a profiler wraps them).
     """
-    # Looked up now, not at import: a test or benchmark may have swapped them (a lossy copy, a timer).
-    names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, "copy_in": static_buffers.copy_in,
-                             "copy_rows": static_buffers.copy_rows}
+    names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, **(copies or copy_functions())}
     live, bucket = _Sizes("n", "env_n", names), _Sizes("b", "env_b", names)
     body: list[str] = []
 
     def dims_of(slot: int) -> tuple[tuple[int, SizeFn], ...]:
         return program.token_dims.get(slot, ())
 
-    def fill(buf: str, src: str, slot: int) -> None:
-        """``buf``'s first rows from ``src``; its padding rows up to the bucket zeroed (``copy_in``)."""
+    def fill(buf: str, src: str, slot: int, kind: str) -> None:
+        """``buf``'s first rows from ``src``; its padding rows up to the bucket zeroed (``copy_in``).
+        ``kind``: ``"copy"`` (a live input) or ``"bridge"`` (a break output)."""
         dims = dims_of(slot)
         if not dims:
-            body.append(f"{buf}.copy_({src})")
+            body.append(f"{kind}_in({buf}, {src}, (), env_n, env_b)")
         elif len(dims) == 1:
             (d, size), = dims
             n, b = live(size), bucket(size)
-            body.append(f"copy_rows({buf}, {src}, {d}, {n}, {b})")
+            body.append(f"{kind}_rows({buf}, {src}, {d}, {n}, {b})")
         else:
             names[f"dims_{slot}"] = dims
-            body.append(f"copy_in({buf}, {src}, dims_{slot}, env_n, env_b)")
+            body.append(f"{kind}_in({buf}, {src}, dims_{slot}, env_n, env_b)")
 
     def view(slot: int) -> None:
         """``v<slot>``: the static value narrowed to the live size along its token dims."""
@@ -245,7 +256,7 @@ def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool) 
             body.append(f"v{slot} = narrow_to(static[{slot}], dims_{slot}, env_n)")
 
     for slot in program.input_buffers:
-        fill(f"inputs[{slot}]", f"v{slot}", slot)
+        fill(f"inputs[{slot}]", f"v{slot}", slot, "copy")
     for step in program.steps:
         body.append(f"step = {step.index}")
         if step.segment.is_graph:
@@ -266,7 +277,7 @@ def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool) 
             args = ", ".join(live(r.size) if r.size is not None else f"v{r.slot}" for r in step.args)
             body.append(_call_segment(step, args, names))
             for s in step.bridges:
-                fill(f"bridges[{s}]", f"v{s}", s)
+                fill(f"bridges[{s}]", f"v{s}", s, "bridge")
     outputs = _outputs(program, live, names)
     source = _function("def graph_forward(args, static, env_n, env_b, replay, n, b, inputs, bridges):",
                        program.num_inputs, live.prologue() + bucket.prologue(), body, "raised(e, step, n, b)",
@@ -281,11 +292,12 @@ def _annotate_graph_path(stage: str, segments: Sequence[str], e: BaseException, 
              "usable: the next call rewrites every static buffer it reads")
 
 
-def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_args: bool) -> GraphForward:
+def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_args: bool,
+                       copies: CopyFunctions | None = None) -> GraphForward:
     """Compiles ``program``'s graph path (:func:`graph_forward_source`): called as
     ``fn(args, static, env_n, env_b, executor.replay, n, b, input_buffers, bridge_buffers)``, it
     returns the stage's outputs at the live size (views into static memory)."""
-    source, names = graph_forward_source(program, binds_inputs, pass_args)
+    source, names = graph_forward_source(program, binds_inputs, pass_args, copies)
     segments = tuple(st.segment.name for st in program.steps)
     fn: GraphForward = _exec("graph_forward", stage, source, names,
                              functools.partial(_annotate_graph_path, stage, segments))

@@ -34,8 +34,14 @@ import torch
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.errors import add_note
-from ppcompile.runtime import static_buffers
-from ppcompile.runtime.codegen import GraphForward, make_graph_forward, make_live_forward, replay_passes_args
+from ppcompile.runtime.codegen import (
+    CopyFunctions,
+    GraphForward,
+    copy_functions,
+    make_graph_forward,
+    make_live_forward,
+    replay_passes_args,
+)
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.layout_checks import static_layouts
@@ -92,6 +98,7 @@ class StageRuntime:
         self._static_layouts = static_layouts(self.program) if compiled.traced_strides else {}
         self._graph_forwards: dict[tuple[bool, bool], GraphForward] = {}  # by (binds inputs, pass args)
         self._instrumented: dict[int, tuple[Any, ...]] = {}  # instrumented(): per hook, its program and code
+        self._copies: CopyFunctions | None = None  # instrumented(): the wrapped copy functions
         self._owned_slots = frozenset(s for st in self.program.steps if st.segment.is_graph
                                       for s in st.live_views)
         self._warned: set[str] = set()
@@ -219,7 +226,7 @@ class StageRuntime:
         pass_args = replay_passes_args(executor.binds_inputs, self.config.debug)
         forward = self._graph_forwards.get((executor.binds_inputs, pass_args))
         if forward is None:
-            forward = make_graph_forward(program, self.name, executor.binds_inputs, pass_args)
+            forward = make_graph_forward(program, self.name, executor.binds_inputs, pass_args, self._copies)
             self._graph_forwards[(executor.binds_inputs, pass_args)] = forward
         outputs = forward(args, static, env_n, env_b, executor.replay, n, b, state.input_buffers,
                           state.bridge_buffers)
@@ -368,31 +375,31 @@ class StageRuntime:
     @contextlib.contextmanager
     def instrumented(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
         """While open, graph-path calls run with their parts wrapped by ``wrap(category, fn)``: graph
-        replays and break segments as ``"segment bodies"``, copies into static buffers as ``"copy-in"``
-        (for profilers and benchmarks: ``bench/overhead.py``). The wrapped per-call code is generated at
-        the first call inside a block and kept for later blocks with the same ``wrap``; calls outside run
-        the plain code. Not for use while other threads call the stage."""
+        replays as ``"graph replays"``, break segments as ``"break segments"``, copies of live inputs into
+        static buffers as ``"copy-in"`` and of break outputs into bridges as ``"bridge copies"`` (for
+        profilers and benchmarks: ``bench/overhead.py``, ``bench/launches.py``). The wrapped per-call code
+        is generated at the first call inside a block and kept for later blocks with the same ``wrap``;
+        calls outside run the plain code. Not for use while other threads call the stage."""
         cached = self._instrumented.get(id(wrap))
         if cached is None or cached[0] is not wrap:
             program = dataclasses.replace(self.program, steps=tuple(
                 st if st.segment.is_graph else dataclasses.replace(
-                    st, fn=wrap("segment bodies", st.fn),
-                    call=None if st.call is None else wrap("segment bodies", st.call))
+                    st, fn=wrap("break segments", st.fn),
+                    call=None if st.call is None else wrap("break segments", st.call))
                 for st in self.program.steps))
-            copies = (wrap("copy-in", static_buffers.copy_rows), wrap("copy-in", static_buffers.copy_in))
+            copies = {name: wrap("bridge copies" if name.startswith("bridge") else "copy-in", fn)
+                      for name, fn in copy_functions().items()}
             cached = self._instrumented[id(wrap)] = (wrap, program, {}, copies)
-        _, program, forwards, (copy_rows, copy_in) = cached
-        saved = (self.program, self._graph_forwards, static_buffers.copy_rows, static_buffers.copy_in)
+        _, program, forwards, copies = cached
+        saved = (self.program, self._graph_forwards, self._copies)
         executors = [inst.executor for inst in self._states.values()]
         for ex in executors:
-            ex.replay = wrap("segment bodies", ex.replay)  # type: ignore[method-assign]
-        # The generated code binds the copy functions when generated: generate inside the block.
-        static_buffers.copy_rows, static_buffers.copy_in = copy_rows, copy_in
-        self.program, self._graph_forwards = program, forwards
+            ex.replay = wrap("graph replays", ex.replay)  # type: ignore[method-assign]
+        self.program, self._graph_forwards, self._copies = program, forwards, copies
         try:
             yield
         finally:
-            self.program, self._graph_forwards, static_buffers.copy_rows, static_buffers.copy_in = saved
+            self.program, self._graph_forwards, self._copies = saved
             for ex in executors:
                 ex.__dict__.pop("replay", None)
 

@@ -683,8 +683,8 @@ def test_instrumented_wraps_replays_breaks_and_copy_in_only_inside_the_block() -
     for _ in range(2):
         with rt.instrumented(wrap):
             _check(c, m, 6)
-    segments = len(rt.program.steps)  # two graph replays and one break per call
-    assert calls["segment bodies"] == 2 * segments and calls["copy-in"] >= 2 * 2  # x and residual
+    # Per call: two graph replays, one break, x and residual copied in, the break's output bridged.
+    assert calls == {"graph replays": 2 * 2, "break segments": 2, "copy-in": 2 * 2, "bridge copies": 2}
     before = dict(calls)
     _check(c, m, 7)
     assert calls == before  # outside the block: the plain code
