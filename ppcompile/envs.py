@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
-__all__ = ["dump_dir", "log_level", "progress"]
+__all__ = ["cache_dir", "dump_dir", "log_level", "progress"]
+
+
+def cache_dir() -> str:
+    """``PPCOMPILE_CACHE_DIR``: where ppcompile writes the kernel sources it generates (Triton compiles from
+    source files); default ``ppcompile-<uid>`` under the system's temporary directory."""
+    value = os.environ.get("PPCOMPILE_CACHE_DIR")
+    if value:
+        return value
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return os.path.join(tempfile.gettempdir(), f"ppcompile-{user}")
 
 
 def dump_dir() -> str | None:
