@@ -78,7 +78,7 @@ def expect_path(bucket: int | None, calls: int) -> Any:
     return ppcompile.counters.expect(replays=calls, eager_runs=0, replays_by_bucket={bucket: calls})
 
 
-@pytest.mark.parametrize("cfg_name", ["small-dense", "small-moe", "hidden-only", "topk"])
+@pytest.mark.parametrize("cfg_name", ["small-dense", "small-moe", "hidden-only", "topk", "out-variant"])
 def test_pp4_matches_eager_per_stage(cfg_name: str) -> None:
     cfg = REFERENCE_CONFIGS[cfg_name]
     eager = InProcessPipeline(cfg, PP, compiled=False)
@@ -93,6 +93,25 @@ def test_pp4_matches_eager_per_stage(cfg_name: str) -> None:
                 got = graphed(ids, pos, lens)
         assert_close(got, want, f"{cfg_name} logits at {sum(lens)} tokens")
         assert [t.path for t in graphed.traces if t] == ["eager" if bucket is None else "graph"] * PP
+
+
+def test_out_variant_attention_needs_no_bridges() -> None:
+    """Functional attention returns a fresh tensor that is copied into a bridge per layer; the
+    out-variant op writes the graph's own memory, so its stages have no bridges at all."""
+    bridges = {}
+    for name in ("small-dense", "out-variant"):
+        torch._dynamo.reset()
+        graphed = InProcessPipeline(REFERENCE_CONFIGS[name], PP, compiled=True, options=OPTIONS)
+        lens = [7, 9]
+        ids, pos, _ = make_batch(graphed.cfg, lens, 0, PP)
+        with torch.inference_mode(), expect_path(16, PP):
+            graphed(ids, pos, lens)
+        runtimes = [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-PP:]
+        bridges[name] = sum(len(rt.program.bridge_buffers) for rt in runtimes)
+        if name == "out-variant":
+            in_place = sum(len(st.in_place) for rt in runtimes for st in rt.program.steps)
+            assert in_place == REFERENCE_CONFIGS[name].num_layers
+    assert bridges == {"small-dense": REFERENCE_CONFIGS["small-dense"].num_layers, "out-variant": 0}
 
 
 def test_one_token_topk_stage_runs_eagerly() -> None:

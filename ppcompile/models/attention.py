@@ -19,6 +19,7 @@ from ppcompile.models.config import ModelConfig
 __all__ = [
     "ForwardContext",
     "attention",
+    "attention_with_output",
     "get_forward_context",
     "make_forward_context",
     "set_forward_context",
@@ -110,30 +111,28 @@ def make_forward_context(
     )
 
 
-@torch.library.custom_op("ppcompile::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-    """Causal GQA attention per sequence of a packed batch; also writes k/v to ``kv_caches[layer_id]``.
-
-    ``q``: ``[T, Hq, D]``, ``k``/``v``: ``[T, Hkv, D]``; returns a new ``[T, Hq, D]`` tensor.
-    """
+def _attend_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_id: int,
+                 op: str) -> None:
+    """Writes k/v to ``kv_caches[layer_id]`` and causal GQA attention per sequence into ``out``."""
     ctx = get_forward_context()
     if q.shape[0] != ctx.num_tokens:
         raise RuntimeError(
-            f"ppcompile::attention (layer {layer_id}) got {q.shape[0]} rows but the batch has "
+            f"{op} (layer {layer_id}) got {q.shape[0]} rows but the batch has "
             f"{ctx.num_tokens} tokens (seq_lens={ctx.seq_lens}); the op must see exactly the live tokens"
         )
+    if out.shape != q.shape:
+        raise RuntimeError(f"{op} (layer {layer_id}): out has shape {list(out.shape)}, q {list(q.shape)}")
     try:
         cache = ctx.kv_caches[layer_id]
     except KeyError:
         raise RuntimeError(
-            f"ppcompile::attention: no KV cache for global layer id {layer_id}; the forward context has "
+            f"{op}: no KV cache for global layer id {layer_id}; the forward context has "
             f"caches for layer ids {sorted(ctx.kv_caches)}"
         ) from None
     cache[ctx.slot_mapping, 0] = k.to(cache.dtype)
     cache[ctx.slot_mapping, 1] = v.to(cache.dtype)
 
     groups = q.shape[1] // k.shape[1]
-    out = torch.empty_like(q)
     start = 0
     for n in ctx.seq_lens:
         qs = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
@@ -141,9 +140,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) 
         vs = v[start : start + n].repeat_interleave(groups, dim=1).transpose(0, 1)
         out[start : start + n] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
         start += n
+
+
+@torch.library.custom_op("ppcompile::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    """Causal GQA attention per sequence of a packed batch; also writes k/v to ``kv_caches[layer_id]``.
+
+    ``q``: ``[T, Hq, D]``, ``k``/``v``: ``[T, Hkv, D]``; returns a new ``[T, Hq, D]`` tensor.
+    """
+    out = torch.empty_like(q)
+    _attend_into(q, k, v, out, layer_id, "ppcompile::attention")
     return out
 
 
 @attention.register_fake
 def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("ppcompile::attention_with_output", mutates_args=("out",))
+def attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          layer_id: int) -> None:
+    """:func:`attention` written into ``out`` (``[T, Hq, D]``), an out-variant op like vLLM's
+    ``unified_attention_with_output``: the caller allocates the output, so under ``pp_breakable`` the graph
+    segment before it does, and the graph after it reads that memory with no bridge copy."""
+    _attend_into(q, k, v, out, layer_id, "ppcompile::attention_with_output")
+
+
+@attention_with_output.register_fake
+def _attention_with_output_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                layer_id: int) -> None:
+    return None

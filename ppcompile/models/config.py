@@ -21,6 +21,8 @@ class ModelConfig:
     ``compile_regions=True`` marks the attention-free halves of each decoder layer as
     ``torch.compiler.nested_compile_region``s, so Dynamo traces them once per stage, not once per layer
     (compile with marked token dims: torch 2.13's regions fail under ``dynamic=True``).
+    ``attention_with_output=True`` calls the out-variant ``ppcompile::attention_with_output`` (the layer
+    allocates the output, the op writes it) instead of the functional ``ppcompile::attention``.
     """
 
     vocab_size: int = 256
@@ -39,6 +41,7 @@ class ModelConfig:
     hidden_only: bool = False
     topk_proxy: int = 0
     compile_regions: bool = False
+    attention_with_output: bool = False
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
@@ -86,5 +89,6 @@ REFERENCE_CONFIGS: dict[str, ModelConfig] = {
     "small-moe": ModelConfig(num_layers=8, num_experts=4, experts_top_k=2),
     "hidden-only": ModelConfig(num_layers=8, hidden_only=True),
     "topk": ModelConfig(num_layers=8, topk_proxy=4),
+    "out-variant": ModelConfig(num_layers=8, attention_with_output=True),
     "deep-dense": ModelConfig(num_layers=32),
 }

@@ -72,6 +72,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = int(layer_id)  # GLOBAL layer id, a python int constant in the graph
+        self.with_output = cfg.attention_with_output
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -93,8 +94,14 @@ class Attention(nn.Module):
         return q, k, v.contiguous()
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention op itself, for this layer's global id: ``[T, Hq * D]``."""
-        return torch.ops.ppcompile.attention(q, k, v, self.layer_id).reshape(-1, self.q_size)
+        """The attention op itself, for this layer's global id: ``[T, Hq * D]`` (written into a tensor
+        allocated here with ``cfg.attention_with_output``)."""
+        if self.with_output:
+            out = torch.empty_like(q)
+            torch.ops.ppcompile.attention_with_output(q, k, v, out, self.layer_id)
+        else:
+            out = torch.ops.ppcompile.attention(q, k, v, self.layer_id)
+        return out.reshape(-1, self.q_size)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(*self.qkv(positions, hidden)))

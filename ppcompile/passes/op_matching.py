@@ -19,7 +19,8 @@ __all__ = [
 
 # Attention ops that take a global layer id, and the name of that argument. Strings resolve lazily, so
 # the namespace of an op only needs to be loaded by the time a stage is compiled.
-ATTENTION_LAYER_ARGS: dict[str, str] = {"ppcompile::attention": "layer_id"}
+ATTENTION_LAYER_ARGS: dict[str, str] = {"ppcompile::attention": "layer_id",
+                                         "ppcompile::attention_with_output": "layer_id"}
 
 _SDPA_TARGETS: tuple[Any, ...] = (
     torch.nn.functional.scaled_dot_product_attention,

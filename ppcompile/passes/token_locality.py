@@ -356,6 +356,8 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     written = written_input(node)
     found = [] if written is None else [written]
     target = node.target
+    if isinstance(target, OpOverloadPacket) and target.overloads() == ["default"]:
+        target = target.default  # a custom op called as ``torch.ops.ns.op(...)``
     if node.op == "call_function" and isinstance(target, OpOverload):
         for i, name in written_arguments(target):
             value = node.args[i] if i < len(node.args) else node.kwargs.get(name)

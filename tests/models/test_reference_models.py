@@ -201,6 +201,27 @@ def test_attention_op_writes_kv_cache() -> None:
     torch.testing.assert_close(out[2], v[2].repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 0))
 
 
+def test_attention_with_output_writes_what_attention_returns() -> None:
+    cfg = DENSE
+    q = torch.randn(5, cfg.num_heads, cfg.head_dim)
+    k, v = torch.randn(2, 5, cfg.num_kv_heads, cfg.head_dim)
+    out = torch.full_like(q, float("nan"))
+    with set_forward_context(make_forward_context([2, 3], cfg, [3], num_slots=8)):
+        want = torch.ops.ppcompile.attention(q, k, v, 3)
+        assert torch.ops.ppcompile.attention_with_output(q, k, v, out, 3) is None
+        with pytest.raises(RuntimeError, match=r"out has shape \[4, 4, 16\]"):
+            torch.ops.ppcompile.attention_with_output(q, k, v, out[:4], 3)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_a_stage_with_out_variant_attention_equals_the_functional_one() -> None:
+    cfg = DENSE.replace(num_layers=4)
+    seq_lens = [3, 6]
+    functional = _run_chain(cfg, 2, seq_lens)
+    torch.testing.assert_close(_run_chain(cfg.replace(attention_with_output=True), 2, seq_lens), functional,
+                               rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------ dynamo
 _TRACE_CFGS = {
     "dense": DENSE.replace(num_layers=4),
