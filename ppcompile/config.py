@@ -26,6 +26,7 @@ eager break (measured crossover: docs/benchmarks.md, "Folding tiny graph segment
 
 SEGMENT_COMPILERS = ("eager", "inductor")
 CAPTURE_POLICIES = ("all", "lazy")
+COPY_KERNELS = ("auto", "triton", "torch")
 GRAPH_MODES = ("auto", "cuda", "emulate", "eager", "none")
 ON_UNSAFE = ("break", "error")
 
@@ -86,6 +87,10 @@ class PPBreakableConfig:
         fold_graph_ops: a graph segment between two breaks with at most this many kernel-launching ops
             (views and size arithmetic are free) runs eagerly, joining the breaks around it into one;
             0 keeps every graph segment.
+        copy_kernel: how the graph path copies live inputs into static buffers and break outputs into
+            bridges: ``"triton"`` (one fused launch per copy point: all inputs, or all copied outputs of
+            one break; needs Triton: CUDA, or its CPU interpreter), ``"torch"`` (a ``copy_`` and a
+            ``zero_`` per tensor) or ``"auto"`` (triton on CUDA when importable, else torch).
         dump_dir: write pass dumps here (default: ``PPCOMPILE_DUMP_DIR``).
         debug: check at every replay that graphs read the captured tensors, and detect reads of
             outputs that a later call overwrote.
@@ -106,6 +111,7 @@ class PPBreakableConfig:
     capture: str = "all"
     capture_budget_s: float | None = None
     fold_graph_ops: int = DEFAULT_FOLD_GRAPH_OPS
+    copy_kernel: str = "auto"
     dump_dir: str | None = None
     debug: bool = False
     owned_outputs: bool = False
@@ -143,6 +149,8 @@ class PPBreakableConfig:
             if self.capture != "lazy":
                 _bad("capture_budget_s", budget, "None unless capture is 'lazy' (with 'all' every bucket is "
                      "captured at the first call)")
+        if self.copy_kernel not in COPY_KERNELS:
+            _bad("copy_kernel", self.copy_kernel, " | ".join(map(repr, COPY_KERNELS)))
         fold = self.fold_graph_ops
         if isinstance(fold, bool) or not isinstance(fold, int) or fold < 0:
             _bad("fold_graph_ops", fold, "an int >= 0 (0: fold nothing)")

@@ -48,7 +48,7 @@ The function holds the program's callables, never the runtime (no reference cycl
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -60,8 +60,9 @@ from ppcompile.runtime.layout_checks import CheckedValue, LiveLayouts
 from ppcompile.runtime.program import Program, Ref, Step
 from ppcompile.symbolic import SizeFn
 
-__all__ = ["CopyFunctions", "GraphForward", "LiveForward", "copy_functions", "graph_forward_source",
-           "live_forward_source", "make_graph_forward", "make_live_forward", "replay_passes_args"]
+__all__ = ["CopyFunctions", "GraphForward", "LiveForward", "copy_functions", "copy_points",
+           "graph_forward_source", "live_forward_source", "make_graph_forward", "make_live_forward",
+           "replay_passes_args"]
 
 LiveForward = Callable[[Sequence[Any], Mapping[sympy.Symbol, int]], tuple[Any, ...]]
 GraphForward = Callable[..., tuple[Any, ...]]
@@ -208,8 +209,21 @@ def copy_functions() -> dict[str, Callable[..., None]]:
     return {"copy_rows": rows, "copy_in": into, "bridge_rows": rows, "bridge_in": into}
 
 
-def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool,
-                         copies: CopyFunctions | None = None) -> tuple[str, dict[str, Any]]:
+def copy_points(program: Program) -> tuple[tuple[int, ...], ...]:
+    """The slots each fused copier fills, by copy point: the live inputs first, then the bridges of
+    each break that has some, in step order. Values with several token dims are copied by ``copy_in``
+    apart (a copier narrows one dim), so a point may be empty."""
+    def single(slots: Iterable[int]) -> tuple[int, ...]:
+        return tuple(s for s in slots if len(program.token_dims.get(s, ())) <= 1)
+
+    bridged = [single(st.bridges) for st in program.steps if not st.segment.is_graph and st.bridges]
+    return (single(program.input_buffers), *bridged)
+
+
+def graph_forward_source(
+    program: Program, binds_inputs: bool, pass_args: bool, copies: CopyFunctions | None = None,
+    fused: bool = False,
+) -> tuple[str, dict[str, Any]]:
     """The generated source of ``program``'s graph path for one bucket and the globals it reads.
 
     ``binds_inputs``: the executor's replays read what they captured (a CUDA graph), so their outputs
@@ -219,6 +233,8 @@ def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool,
     (zeroing the padding rows), replay graph segments, narrow what breaks and callers read to the live
     size, run breaks on live tensors and copy what graphs read into static bridges. ``copies``: the
     functions that copy inputs and bridges (default :func:`copy_functions`; a profiler wraps them).
+    ``fused``: each copy point is one call of its copier (``copiers[k]``, :func:`copy_points`), e.g.
+    ``copiers[0]((v0, v1), (n0, n0), (b0, b0))``, instead of a copy and a zeroing per tensor.
     """
     names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, **(copies or copy_functions())}
     live, bucket = _Sizes("n", "env_n", names), _Sizes("b", "env_b", names)
@@ -255,8 +271,27 @@ def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool,
             names[f"dims_{slot}"] = dims
             body.append(f"v{slot} = narrow_to(static[{slot}], dims_{slot}, env_n)")
 
-    for slot in program.input_buffers:
-        fill(f"inputs[{slot}]", f"v{slot}", slot, "copy")
+    points, next_point = copy_points(program), iter(range(len(program.steps) + 1))
+
+    def fill_point(slots: Iterable[int], buffers: str, kind: str) -> None:
+        """Fills the static buffers of ``slots``: one copier call (``fused``), or each on its own."""
+        k = next(next_point)
+        fused_slots = points[k] if fused else ()
+        if fused_slots:
+
+            def sizes(of: Callable[[SizeFn], str], s: int) -> str:
+                dims = dims_of(s)
+                return of(dims[0][1]) if dims else "0"
+
+            srcs = ", ".join(f"v{s}" for s in fused_slots)
+            ns = ", ".join(sizes(live, s) for s in fused_slots)
+            bs = ", ".join(sizes(bucket, s) for s in fused_slots)
+            body.append(f"copiers[{k}](({srcs},), ({ns},), ({bs},))")
+        for slot in slots:
+            if slot not in fused_slots:
+                fill(f"{buffers}[{slot}]", f"v{slot}", slot, kind)
+
+    fill_point(program.input_buffers, "inputs", "copy")
     for step in program.steps:
         body.append(f"step = {step.index}")
         if step.segment.is_graph:
@@ -276,10 +311,11 @@ def graph_forward_source(program: Program, binds_inputs: bool, pass_args: bool,
         else:
             args = ", ".join(live(r.size) if r.size is not None else f"v{r.slot}" for r in step.args)
             body.append(_call_segment(step, args, names))
-            for s in step.bridges:
-                fill(f"bridges[{s}]", f"v{s}", s, "bridge")
+            if step.bridges:
+                fill_point(step.bridges, "bridges", "bridge")
     outputs = _outputs(program, live, names)
-    source = _function("def graph_forward(args, static, env_n, env_b, replay, n, b, inputs, bridges):",
+    header = "def graph_forward(args, static, env_n, env_b, replay, n, b, inputs, bridges, copiers):"
+    source = _function(header,
                        program.num_inputs, live.prologue() + bucket.prologue(), body, "raised(e, step, n, b)",
                        outputs)
     return source, names
@@ -293,11 +329,12 @@ def _annotate_graph_path(stage: str, segments: Sequence[str], e: BaseException, 
 
 
 def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_args: bool,
-                       copies: CopyFunctions | None = None) -> GraphForward:
+                       copies: CopyFunctions | None = None, fused: bool = False) -> GraphForward:
     """Compiles ``program``'s graph path (:func:`graph_forward_source`): called as
-    ``fn(args, static, env_n, env_b, executor.replay, n, b, input_buffers, bridge_buffers)``, it
-    returns the stage's outputs at the live size (views into static memory)."""
-    source, names = graph_forward_source(program, binds_inputs, pass_args, copies)
+    ``fn(args, static, env_n, env_b, executor.replay, n, b, input_buffers, bridge_buffers, copiers)``
+    (``copiers``: one per :func:`copy_points` entry when ``fused``, else unused), it returns the stage's
+    outputs at the live size (views into static memory)."""
+    source, names = graph_forward_source(program, binds_inputs, pass_args, copies, fused)
     segments = tuple(st.segment.name for st in program.steps)
     fn: GraphForward = _exec("graph_forward", stage, source, names,
                              functools.partial(_annotate_graph_path, stage, segments))

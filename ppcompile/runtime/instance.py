@@ -13,15 +13,17 @@ from __future__ import annotations
 import threading
 import time
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import sympy
 import torch
 
 from ppcompile.counters import counters
+from ppcompile.runtime.codegen import copy_points
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.executors import GraphExecutor, make_executor
+from ppcompile.runtime.fused_copy import RowCopier, make_row_copier
 from ppcompile.runtime.layout_checks import check_static_layout
 from ppcompile.runtime.observer import CaptureObserver
 from ppcompile.runtime.program import TensorLayout
@@ -38,7 +40,7 @@ class StageInstance:
     ``captured_buckets``, ``input_buffers``, ``bridge_buffers``, ``static_tensors()``, ``failed``)."""
 
     def __init__(self, compiled: CompiledStage, args: Sequence[Any], env_max: dict[sympy.Symbol, int],
-                 static_layouts: StaticLayouts, debug: bool) -> None:
+                 static_layouts: StaticLayouts, debug: bool, copy_kernel: str = "torch") -> None:
         program = compiled.program
         self._compiled = compiled
         self._static_layouts = static_layouts
@@ -49,6 +51,8 @@ class StageInstance:
                                for s, spec in program.input_buffers.items()}
         self._bridge_buffers = {s: self._allocate(s, spec, env_max)
                                 for s, spec in program.bridge_buffers.items()}
+        # One fused copier per copy point (codegen.copy_points), or None: per-tensor torch ops.
+        self.copiers: tuple[Callable[..., None] | None, ...] | None = self._copiers(copy_kernel)
         self.tables: dict[int, list[Any]] = {}  # bucket -> slot table
         self.failed: str | None = None  # capture="all": graphs are off for this instance
         self.failed_buckets: dict[int, str] = {}  # capture="lazy": buckets that run eagerly
@@ -82,6 +86,31 @@ class StageInstance:
             for slot, value in enumerate(table):
                 if isinstance(value, torch.Tensor) and slot not in module_slots:
                     yield value
+
+    @property
+    def copy_kernel(self) -> str:
+        """How this instance's graph path copies into static buffers: ``"triton"`` (fused copiers) or
+        ``"torch"``."""
+        return "torch" if self.copiers is None else "triton"
+
+    def _copiers(self, copy_kernel: str) -> tuple[RowCopier | None, ...] | None:
+        """A copier per copy point when ``copy_kernel`` gives Triton ones ("auto": on CUDA), else None."""
+        if copy_kernel == "torch":
+            return None
+        program = self._compiled.program
+        buffers = {**self._input_buffers, **self._bridge_buffers}
+
+        def token_dim(slot: int) -> int | None:
+            dims = program.token_dims.get(slot, ())
+            return dims[0][0] if dims else None
+
+        copiers = tuple(
+            make_row_copier([buffers[s] for s in slots], [token_dim(s) for s in slots], kernel=copy_kernel)
+            if slots else None
+            for slots in copy_points(program))
+        if not any(c is not None and c.kernel == "triton" for c in copiers):
+            return None  # "auto" chose torch everywhere: the plain generated code is faster
+        return copiers
 
     # ----------------------------------------------------------------------------------- capture
     def _allocate(self, slot: int, spec: Any, env_max: dict[sympy.Symbol, int]) -> torch.Tensor:

@@ -96,7 +96,8 @@ class StageRuntime:
         # Compiled segments read static buffers with the strides they were compiled for: buffers keep the
         # traced dim order, checked per bucket at capture. Eager segments read any layout.
         self._static_layouts = static_layouts(self.program) if compiled.traced_strides else {}
-        self._graph_forwards: dict[tuple[bool, bool], GraphForward] = {}  # by (binds inputs, pass args)
+        # By (binds inputs, pass args, fused copies).
+        self._graph_forwards: dict[tuple[bool, bool, bool], GraphForward] = {}
         self._instrumented: dict[int, tuple[Any, ...]] = {}  # instrumented(): per hook, its program and code
         self._copies: CopyFunctions | None = None  # instrumented(): the wrapped copy functions
         self._owned_slots = frozenset(s for st in self.program.steps if st.segment.is_graph
@@ -224,12 +225,14 @@ class StageRuntime:
         if not executor.binds_inputs:
             static = list(static)
         pass_args = replay_passes_args(executor.binds_inputs, self.config.debug)
-        forward = self._graph_forwards.get((executor.binds_inputs, pass_args))
+        copiers = state.copiers
+        key = (executor.binds_inputs, pass_args, copiers is not None)
+        forward = self._graph_forwards.get(key)
         if forward is None:
-            forward = make_graph_forward(program, self.name, executor.binds_inputs, pass_args, self._copies)
-            self._graph_forwards[(executor.binds_inputs, pass_args)] = forward
+            forward = make_graph_forward(program, self.name, *key[:2], self._copies, fused=key[2])
+            self._graph_forwards[key] = forward
         outputs = forward(args, static, env_n, env_b, executor.replay, n, b, state.input_buffers,
-                          state.bridge_buffers)
+                          state.bridge_buffers, copiers)
         counters.replays += 1
         counters.replays_by_bucket[b] += 1
         if not self._own_outputs:
@@ -324,7 +327,8 @@ class StageRuntime:
         captures nothing here: each bucket at its first use (``_capture_lazily``)."""
         env = self._env(args, self.num_tokens(args))
         env_max = {**env, self.token_symbol: max(self.plan.sizes)}
-        state = StageInstance(self.compiled, args, env_max, self._static_layouts, self.config.debug)
+        state = StageInstance(self.compiled, args, env_max, self._static_layouts, self.config.debug,
+                              self.config.copy_kernel)
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
         if self.config.capture == "all":
             try:
@@ -392,16 +396,21 @@ class StageRuntime:
             cached = self._instrumented[id(wrap)] = (wrap, program, {}, copies)
         _, program, forwards, copies = cached
         saved = (self.program, self._graph_forwards, self._copies)
-        executors = [inst.executor for inst in self._states.values()]
-        for ex in executors:
-            ex.replay = wrap("graph replays", ex.replay)  # type: ignore[method-assign]
+        states = list(self._states.values())
+        saved_copiers = [state.copiers for state in states]
+        for state in states:
+            state.executor.replay = wrap("graph replays", state.executor.replay)  # type: ignore[method-assign]
+            if state.copiers is not None:  # point 0 copies the inputs; the others bridges
+                state.copiers = tuple(None if c is None else wrap("bridge copies" if k else "copy-in", c)
+                                      for k, c in enumerate(state.copiers))
         self.program, self._graph_forwards, self._copies = program, forwards, copies
         try:
             yield
         finally:
             self.program, self._graph_forwards, self._copies = saved
-            for ex in executors:
-                ex.__dict__.pop("replay", None)
+            for state, copiers in zip(states, saved_copiers):
+                state.executor.__dict__.pop("replay", None)
+                state.copiers = copiers
 
     def instances(self) -> tuple[StageInstance, ...]:
         """The captured state of each module instance served so far, in order of first call (read-only:
@@ -411,8 +420,9 @@ class StageRuntime:
     def generated_code(self) -> dict[str, str]:
         """The per-call code generated for this stage: the live path, and the graph paths built so far."""
         code = {"live": str(getattr(self._live_forward, "source", ""))}
-        for (binds, pass_args), fn in self._graph_forwards.items():
-            code[f"graph (binds inputs {binds}, passes args {pass_args})"] = str(getattr(fn, "source", ""))
+        for (binds, pass_args, fused), fn in self._graph_forwards.items():
+            what = f"binds inputs {binds}, passes args {pass_args}" + (", fused copies" if fused else "")
+            code[f"graph ({what})"] = str(getattr(fn, "source", ""))
         return code
 
     # ----------------------------------------------------------------------------------- reports
