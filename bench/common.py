@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 import ppcompile  # also registers the pp_breakable backend
+from ppcompile.config import graph_path_mode
 from ppcompile.models import (
     REFERENCE_CONFIGS,
     ForwardContext,
@@ -69,6 +70,9 @@ class PathSpec:
 
     ``kind``: ``"eager"`` (the module as is), ``"pp_breakable"`` (``options`` go to the backend) or
     ``"reduce-overhead"`` (torch's CUDA graphs with Inductor graph partition; CUDA only).
+    ``graphs``: a ``pp_breakable`` path on the graph path whatever the device (CUDA graphs on a GPU,
+    their emulation on CPU, where ``"auto"`` would run at the live size); ``options`` then name no
+    ``graph_mode``.
     """
 
     name: str
@@ -76,6 +80,13 @@ class PathSpec:
     kind: str
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     cuda_only: bool = False
+    graphs: bool = False
+
+    def backend_options(self, device: torch.device) -> dict[str, Any]:
+        """``options`` with the graph mode a graph path takes on ``device``."""
+        if self.graphs:
+            return {**self.options, "graph_mode": graph_path_mode(device.type)}
+        return dict(self.options)
 
 
 PATHS: dict[str, PathSpec] = {
@@ -83,11 +94,11 @@ PATHS: dict[str, PathSpec] = {
     for p in (
         PathSpec("eager", "eager", "eager"),
         PathSpec("ppb", "pp_breakable (graphs, eager segments)", "pp_breakable",
-                 {"graph_mode": "auto", "segment_compiler": "eager"}),
+                 {"segment_compiler": "eager"}, graphs=True),
         PathSpec("ppb-static", "pp_breakable (static buffers, no graphs)", "pp_breakable",
                  {"graph_mode": "eager", "segment_compiler": "eager"}),
         PathSpec("ppb-inductor", "pp_breakable (graphs, inductor segments)", "pp_breakable",
-                 {"graph_mode": "auto", "segment_compiler": "inductor"}),
+                 {"segment_compiler": "inductor"}, graphs=True),
         PathSpec("torch-ro", "torch.compile reduce-overhead (partitioned)", "reduce-overhead",
                  cuda_only=True),
     )
@@ -201,7 +212,7 @@ class StageHarness:
         if path.kind == "eager":
             return self.stage
         if path.kind == "pp_breakable":
-            options: dict[str, Any] = {"max_capture_tokens": self.capture_cap, **path.options}
+            options = {"max_capture_tokens": self.capture_cap, **path.backend_options(self.device)}
             # The symbolic token count comes from the token dims batch() marks (no dynamic=True: it
             # would pass every float module attribute as a per-call tensor input; user guide).
             return torch.compile(self.stage, backend="pp_breakable", options=options)
@@ -288,15 +299,16 @@ class StageHarness:
         return time.perf_counter() - start
 
     def graph_mode(self, name: str) -> str:
-        """What serves ``name``'s graphed forwards: ``cuda``, ``emulate``, ``eager`` (no graphs) or -."""
+        """What serves ``name``'s graphed forwards: ``cuda``, ``emulate``, ``eager`` (static buffers, no
+        graphs), ``none`` (live size) or -."""
         path = self.paths[name]
         if path.kind == "reduce-overhead":
             return "cuda"
         if path.kind != "pp_breakable":
             return "-"
-        mode = str(path.options.get("graph_mode", "auto"))
+        mode = str(path.backend_options(self.device).get("graph_mode", "auto"))
         if mode == "auto":
-            return "cuda" if self.device.type == "cuda" else "emulate"
+            return "cuda" if self.device.type == "cuda" else "none"
         return mode
 
 

@@ -11,17 +11,17 @@
 2. **Steady state, one run.** A 32-layer stage of width 64 (the reference) and of width 16 (every op
    costs about its dispatch), per-forward latency at 16, 64 and 256 tokens for: eager;
    ``pp_breakable`` with eager segments; ``pp_breakable`` with Inductor segments under
-   ``graph_mode="emulate"`` (the CPU default: a replay re-runs the segment and copies into the captured
-   outputs, copies a GPU graph does not make), ``"eager"`` (the same static buffers, no emulation) and
-   ``"none"`` (the compiled segments at the live size, no buffers; also with Inductor's
-   ``cpp_wrapper``); whole-graph Inductor (``torch.compile(stage, backend="inductor")``, no breaks:
-   the bound breaks can approach; also with ``cpp_wrapper``), the live-size and whole-graph paths
-   once more with Dynamo's guards on modules skipped (``guard_filter_fn=torch.compiler.
-   skip_guard_on_all_nn_modules_unsafe``: what every compiled path pays for its guards). Compiled
-   paths get their symbolic token count from ``ppcompile.mark_token_dynamic``; two more rows compile
-   with ``dynamic=True`` to show its per-call cost. Paths are timed interleaved, and the best of many
-   rounds is reported: on a shared machine the least-disturbed round is the estimate other jobs
-   perturb least.
+   ``graph_mode="emulate"`` (the graph path on CPU: a replay re-runs the segment and copies into the
+   captured outputs, copies a GPU graph does not make), ``"eager"`` (the same static buffers, no
+   emulation) and ``"none"`` (the compiled segments at the live size, no buffers: what ``"auto"``
+   picks on CPU; also with Inductor's ``cpp_wrapper``); whole-graph Inductor
+   (``torch.compile(stage, backend="inductor")``, no breaks: the bound breaks can approach; also with
+   ``cpp_wrapper``), the live-size and whole-graph paths once more with Dynamo's guards on modules
+   skipped (``guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe``: what every
+   compiled path pays for its guards). Compiled paths get their symbolic token count from
+   ``ppcompile.mark_token_dynamic``; two more rows compile with ``dynamic=True`` to show its per-call
+   cost. Paths are timed interleaved, and the best of many rounds is reported: on a shared machine
+   the least-disturbed round is the estimate other jobs perturb least.
 
 Run: ``python bench/compile_time.py [--write]`` (``--write`` updates the "Compile time" section of
 docs/benchmarks.md). ``--quick`` shrinks everything for a smoke run.
@@ -109,7 +109,9 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
     torch.set_num_threads(1)
     cfg = stage_config(layers).replace(compile_regions=compiler.endswith(REGIONS))
     stage = make_stage(cfg, 1, PP)
-    options: dict[str, Any] = {"segment_compiler": compiler.removesuffix(NO_DEDUP).removesuffix(REGIONS)}
+    # Capture is the graph path's: its CPU emulation here ("auto" would serve at the live size, no capture).
+    options: dict[str, Any] = {"segment_compiler": compiler.removesuffix(NO_DEDUP).removesuffix(REGIONS),
+                               "graph_mode": "emulate"}
     if compiler.endswith(NO_DEDUP):
         options["dedup_segments"] = False
     if max_tokens is not None:

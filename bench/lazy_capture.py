@@ -22,6 +22,7 @@ if __package__ in (None, ""):
 import torch
 
 import ppcompile
+from ppcompile.config import graph_path_mode
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
 
 __all__ = ["run_policies"]
@@ -52,7 +53,9 @@ def run_policies(device: str) -> list[dict[str, Any]]:
     for name, options in policies:
         torch._dynamo.reset()
         stage = make_stage(REFERENCE, 0, 1).to(device)
-        compiled = torch.compile(stage, backend="pp_breakable", options={"graph_mode": "auto", **options})
+        # Capture is the graph path's ("auto" would run a CPU stage at the live size, capturing nothing).
+        backend_options = {"graph_mode": graph_path_mode(torch.device(device).type), **options}
+        compiled = torch.compile(stage, backend="pp_breakable", options=backend_options)
         reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
         before = ppcompile.counters.captures
         first = _forward(compiled, REFERENCE, [5, 6], device, first=True)

@@ -42,6 +42,7 @@ import ppcompile
 from bench.common import median, sync
 from bench.report import describe_machine, machine_info, markdown_table, save_json
 from ppcompile.backends.pp_breakable import stage_runtimes
+from ppcompile.config import graph_path_mode
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
 from ppcompile.runtime.stage_runtime import StageRuntime
 
@@ -119,11 +120,13 @@ def count_aten_ops(fn: Callable[[], Any]) -> int:
     return count
 
 
-def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mode: str = "auto",
+def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mode: str | None = None,
                  layers: int | None = None) -> dict[str, Any]:
     """Measures eager per-op cost and ppcompile's runtime overhead on :data:`TINY_DEEP` (``layers``
-    overrides its depth); returns the JSON-able result."""
+    overrides its depth); returns the JSON-able result. ``graph_mode`` defaults to the graph path
+    (``graph_path_mode``: CUDA graphs on a GPU, the emulation on CPU)."""
     device = torch.device(device)
+    graph_mode = graph_mode or graph_path_mode(device.type)
     cfg = TINY_DEEP if layers is None else TINY_DEEP.replace(num_layers=layers)
     torch._dynamo.reset()
     stage = make_stage(cfg, 0, 1, device)
@@ -292,8 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--layers", type=int, default=None, help="depth of the tiny stage (default 32)")
-    parser.add_argument("--graph-mode", default="auto",
-                        help="pp_breakable graph_mode (auto|emulate|eager|cuda)")
+    parser.add_argument("--graph-mode", default=None,
+                        help="pp_breakable graph_mode (auto|emulate|eager|cuda|none; default: cuda on a GPU, "
+                             "else emulate)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)

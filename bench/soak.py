@@ -36,6 +36,7 @@ if __package__ in (None, ""):
 import torch
 
 import ppcompile
+from ppcompile.config import graph_path_mode
 from ppcompile.models import (
     REFERENCE_CONFIGS,
     make_batch,
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--debug", action="store_true", help="compile with debug=True (stale-output checks)")
     p.add_argument("--owned-outputs", action="store_true", help="compile with owned_outputs=True")
+    p.add_argument("--graph-mode", default=None,
+                   help="graph_mode of every stage (default: cuda on a GPU, else emulate: the graph path)")
     p.add_argument("--rss-slack-mib", type=float, default=32.0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        options = {"debug": args.debug, "owned_outputs": args.owned_outputs}
+        options = {"graph_mode": args.graph_mode or graph_path_mode(device.type), "debug": args.debug,
+                   "owned_outputs": args.owned_outputs}
         soak = Soak(args.pp, args.cap, device, args.atol, args.seed, options)
         for key in sorted(soak.stages):  # warm-up: every compile (1 token is its own graph) and capture
             for n in (5, 1, args.cap + 1):

@@ -15,7 +15,7 @@ from typing import Any
 from ppcompile import envs
 
 __all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PPBreakableConfig",
-           "default_capture_ladder"]
+           "default_capture_ladder", "graph_path_mode"]
 
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
 """Last size where the seed engine change measured graphs ahead of eager on a PP stage."""
@@ -29,6 +29,13 @@ CAPTURE_POLICIES = ("all", "lazy")
 COPY_KERNELS = ("auto", "triton", "torch")
 GRAPH_MODES = ("auto", "cuda", "emulate", "eager", "none")
 ON_UNSAFE = ("break", "error")
+
+
+def graph_path_mode(device_type: str) -> str:
+    """The ``graph_mode`` that takes the graph path on a ``device_type`` device: CUDA graphs on CUDA, their
+    emulation elsewhere. For what shows or measures the graph path (the demo, ``dump``, the gain probe,
+    the benchmarks); serving keeps ``"auto"``, which runs CPU stages at the live size instead."""
+    return "cuda" if device_type == "cuda" else "emulate"
 
 
 _DENSE_LIMIT = 32
@@ -71,8 +78,8 @@ class PPBreakableConfig:
             applied to every segment compile (``config_patches``), e.g. ``{"cpp_wrapper": True}``.
         graph_mode: ``"cuda"`` (CUDA graphs), ``"emulate"`` (CPU emulation of graph semantics),
             ``"eager"`` (same static-buffer path, no graphs), ``"none"`` (no graphs, buckets or static
-            buffers: the compiled segments run at the live token count) or ``"auto"`` (cuda on CUDA
-            tensors, else emulate).
+            buffers: the compiled segments run at the live token count) or ``"auto"`` (the fastest
+            correct mode: cuda on CUDA tensors, else none; the emulation is a test aid, slower on CPU).
         max_padding_factor: a forward whose bucket exceeds this times its token count runs eagerly.
         on_unsafe: what to do with a graphed op that mixes token rows (so padding could leak):
             ``"break"`` runs it eagerly on live rows, ``"error"`` fails the compile naming it.

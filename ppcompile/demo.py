@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from ppcompile.backends.pp_breakable import stage_runtimes
-from ppcompile.config import PPBreakableConfig
+from ppcompile.config import GRAPH_MODES, PPBreakableConfig, graph_path_mode
 from ppcompile.counters import counters
 from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, make_batch
 from ppcompile.pipeline import DistributedStage, InProcessPipeline, init_pipeline_group, spawn_ranks
-from ppcompile.pipeline.distributed import DEFAULT_TIMEOUT_S
+from ppcompile.pipeline.distributed import DEFAULT_TIMEOUT_S, default_device
 from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
 
 __all__ = ["add_arguments", "default_token_stream", "parse_tokens", "run", "run_demo", "run_distributed"]
@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap of the default bucket ladder (default: the backend's, 8192)")
     parser.add_argument("--capture-sizes", type=_int_list, default=None,
                         help="explicit buckets, comma-separated (overrides --max-capture-tokens)")
+    parser.add_argument("--graph-mode", choices=GRAPH_MODES, default=None,
+                        help="graph_mode option (default: cuda on a GPU, else emulate: the demo shows the "
+                             "graph path, which 'auto' does not take on CPU)")
     parser.add_argument("--tokens", type=parse_tokens, default=None,
                         help="batches, comma-separated: a total count (split into sequences) or "
                              "'+'-joined sequence lengths, e.g. 1,17,8+9+20 (default: 1 to above the cap)")
@@ -158,9 +161,11 @@ class _Setup:
     warm: int
 
     @classmethod
-    def of(cls, args: argparse.Namespace) -> _Setup:
+    def of(cls, args: argparse.Namespace, device: torch.device) -> _Setup:
+        """``device``: where the stages run, which picks the default graph mode."""
         cfg = REFERENCE_CONFIGS[args.config]
-        options: dict[str, object] = {}
+        # The graph path on every device: "auto" would serve CPU stages at the live size, no buckets.
+        options: dict[str, object] = {"graph_mode": args.graph_mode or graph_path_mode(device.type)}
         if args.capture_sizes:
             options["capture_sizes"] = args.capture_sizes
         elif args.max_capture_tokens is not None:
@@ -185,7 +190,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """Runs the demo; returns the process exit code (1 when a difference exceeds the tolerance)."""
     if args.distributed:
         return run_distributed(args)
-    setup = _Setup.of(args)
+    setup = _Setup.of(args, torch.device("cpu"))  # InProcessPipeline's device
     cfg, options, atol = setup.cfg, setup.options, setup.atol
     pp = args.pp or _DEFAULT_PP
     torch.set_num_threads(args.threads)
@@ -197,8 +202,8 @@ def run_demo(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         graphed(ids, pos, [setup.warm])
     setup.banner(args, f"PP{pp} in one process", time.perf_counter() - t0)
-    if not any(rt.graph_mode == "cuda" for rt in stage_runtimes()):
-        print("note: no GPU, graphs are emulated on CPU: pp_breakable times show overhead, not a speed-up")
+    if options["graph_mode"] == "emulate":
+        print("note: graphs are emulated on CPU: pp_breakable times show overhead, not a speed-up")
     for rt in stage_runtimes():
         if not rt.eager_reason:
             print(rt.describe())
@@ -252,7 +257,7 @@ def _demo_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[int, st
         raise ValueError(f"--pp {args.pp} does not match the {world} ranks of the process group; "
                          "drop --pp under torchrun or make it equal to --nproc-per-node")
     torch.set_num_threads(args.threads)
-    setup = _Setup.of(args)
+    setup = _Setup.of(args, default_device())
     cfg = setup.cfg
     stage = DistributedStage(cfg, options=setup.options)
     t0 = time.perf_counter()
@@ -276,7 +281,7 @@ def _demo_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[int, st
             logits.append(out.to("cpu", torch.float32, copy=True))
     stage.wait_sends()
     described = [rt.describe() for rt in stage_runtimes() if not rt.eager_reason]
-    mine = (rows, warm_s, described, stage.device.type)
+    mine = (rows, warm_s, described)
     gathered: list[Any] | None = [None] * world if stage.is_last else None
     dist.gather_object(mine, gathered, dst=world - 1)
     if gathered is None:
@@ -294,8 +299,8 @@ def _report(args: argparse.Namespace, setup: _Setup, world: int, gathered: list[
     backend = dist.get_backend()
     setup.banner(args, f"PP{world} over torch.distributed ({backend}, {world} processes)",
                  max(g[1] for g in gathered))
-    if gathered[-1][3] != "cuda":
-        print("note: no GPU, graphs are emulated on CPU: pp_breakable times show overhead, not a speed-up")
+    if setup.options["graph_mode"] == "emulate":
+        print("note: graphs are emulated on CPU: pp_breakable times show overhead, not a speed-up")
     for rank, g in enumerate(gathered):
         for text in g[2]:
             print(f"[rank {rank}] {text}")

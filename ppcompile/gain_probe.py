@@ -1,7 +1,7 @@
 """Measures ``graph_gain_tokens`` on this device: what one graph replay saves over eager, in tokens.
 
 For each probe size ``n`` (each its own bucket, so no padding), a reference stage runs eagerly and
-through ``pp_breakable`` (``graph_mode="auto"``: CUDA graphs on a GPU, the CPU emulation elsewhere);
+through ``pp_breakable`` on the graph path (CUDA graphs on a GPU, the CPU emulation elsewhere);
 medians of interleaved calls. The per-token cost is the slope of the graph path's time over ``n``
 (least squares); the gain at ``n`` is ``(eager(n) - graph(n)) / slope``, and the probe's value is the
 median over sizes. On CPU the emulation re-runs every segment and copies its outputs, so it saves
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import ppcompile
+from ppcompile.config import graph_path_mode
 from ppcompile.models import (
     REFERENCE_CONFIGS,
     make_batch,
@@ -72,7 +73,9 @@ def probe_graph_gain(
     cfg = REFERENCE_CONFIGS[model]
     reset_dynamo()
     stage = make_stage(cfg, 0, 1).to(device)
-    options: dict[str, Any] = {"capture_sizes": list(sizes)}
+    # The graph path on every device ("auto" would serve CPU stages at the live size, with no replays).
+    graph_mode = graph_path_mode(torch.device(device).type)
+    options: dict[str, Any] = {"capture_sizes": list(sizes), "graph_mode": graph_mode}
     compiled = torch.compile(stage, backend="pp_breakable", options=options)
     eager_s, graph_s = [], []
     mode = "?"

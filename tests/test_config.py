@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS, PPBreakableConfig
+from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS, PPBreakableConfig, graph_path_mode
 
 FIELDS = [f.name for f in dataclasses.fields(PPBreakableConfig)]
 
@@ -170,3 +170,8 @@ def test_dump_dir_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert PPBreakableConfig.from_options({"dump_dir": None}).dump_dir is None  # explicit wins
     monkeypatch.setenv("PPCOMPILE_DUMP_DIR", "")
     assert PPBreakableConfig.from_options({}).dump_dir is None
+
+
+def test_graph_path_mode_is_cuda_graphs_on_cuda_and_their_emulation_elsewhere() -> None:
+    assert graph_path_mode("cuda") == "cuda"
+    assert graph_path_mode("cpu") == graph_path_mode("meta") == "emulate"

@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ppcompile.config import PPBreakableConfig
-from ppcompile.demo import default_token_stream, parse_tokens, split_tokens
+from ppcompile.demo import _Setup, add_arguments, default_token_stream, parse_tokens, split_tokens
 from ppcompile.runtime.buckets import make_bucket_plan
 
 SMALL = ["--config", "tiny", "--pp", "2", "--capture-sizes", "4,8,16", "--tokens", "1,8,9,3+5+7,20"]
@@ -27,6 +28,17 @@ def test_demo_runs_and_shows_both_paths() -> None:
     out = proc.stdout
     assert "graph x2" in out and "eager x2" in out, out
     assert "stage_graph" in out and "OK: 0 of 5" in out, out
+    assert "'graph_mode': 'emulate'" in out, out  # the demo's graph path on CPU ("auto" would be live-size)
+
+
+def test_demo_shows_the_graph_path_on_every_device_unless_told() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--config", "tiny", "--capture-sizes", "4,8"])
+    assert _Setup.of(args, torch.device("cpu")).options["graph_mode"] == "emulate"
+    assert _Setup.of(args, torch.device("cuda", 0)).options["graph_mode"] == "cuda"
+    args = parser.parse_args(["--config", "tiny", "--graph-mode", "none"])
+    assert _Setup.of(args, torch.device("cpu")).options["graph_mode"] == "none"
 
 
 def test_demo_fails_beyond_tolerance() -> None:

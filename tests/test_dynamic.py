@@ -20,6 +20,7 @@ from ppcompile.runtime.stage_runtime import StageRuntime
 PP = 4
 CFG = REFERENCE_CONFIGS["small-dense"].replace(num_layers=8)
 SIZES = [4, 8, 16, 32, 64]
+OPTIONS = {"capture_sizes": SIZES, "graph_mode": "emulate"}  # the graph path ("auto" is live-size on CPU)
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +67,7 @@ def _runtime() -> StageRuntime:
 
 def test_marked_stage_graphs_from_its_first_call_and_keeps_floats_constant() -> None:
     stage = make_stage(CFG, 1, PP)
-    compiled = torch.compile(stage, backend="pp_breakable", options={"capture_sizes": SIZES})
+    compiled = torch.compile(stage, backend="pp_breakable", options=OPTIONS)
     n0 = CFG.hidden_size  # equal to the hidden size: no duck sizing with marked dims
     c = ppcompile.counters
     with c.expect(backend_compiles=1, replays=1):
@@ -85,7 +86,7 @@ def test_marked_stage_graphs_from_its_first_call_and_keeps_floats_constant() -> 
 def test_dynamic_true_passes_the_float_attributes_as_inputs() -> None:
     """What the marking avoids: ``dynamic=True`` lifts every RMSNorm eps into a per-call graph input."""
     stage = make_stage(CFG, 1, PP)
-    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options={"capture_sizes": SIZES})
+    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=OPTIONS)
     _run(stage, compiled, 16, False)
     assert len(_runtime().compiled.scalar_slots) == 2 * (stage.end_layer - stage.start_layer)
 
@@ -98,7 +99,8 @@ def test_size_oblivious_tracing_graphs_one_token_forwards() -> None:
         pytest.skip("this torch has no backed_size_oblivious")
     stage = make_stage(CFG, 1, PP)
     with fx_config.patch(backed_size_oblivious=True):
-        compiled = torch.compile(stage, backend="pp_breakable", options={"capture_sizes": [1, *SIZES]})
+        options = {**OPTIONS, "capture_sizes": [1, *SIZES]}
+        compiled = torch.compile(stage, backend="pp_breakable", options=options)
         c = ppcompile.counters
         with c.expect(replays=3, eager_runs=0, replays_by_bucket={8: 1, 1: 2}):
             for n, mark in ((5, True), (1, False), (1, False)):

@@ -52,14 +52,17 @@ def _graph_name() -> str:
 
 
 def _resolve_graph_mode(config: PPBreakableConfig, example_inputs: list[Any]) -> str:
+    """The graph mode the stage serves with: ``"auto"`` picks the fastest correct one for the device,
+    CUDA graphs for CUDA tensors and otherwise the live-size path (``"none"``): on CPU there are no launches
+    to save, and the emulation of graphs only adds copy-in, padding and copies (docs/benchmarks.md)."""
     on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
     mode = config.graph_mode
     if mode == "auto":
-        return "cuda" if on_cuda and torch.cuda.is_available() else "emulate"
+        return "cuda" if on_cuda and torch.cuda.is_available() else "none"
     if mode == "cuda" and not on_cuda:
         raise ValueError(
             "pp_breakable option 'graph_mode': got 'cuda' but the stage's tensors are not on a CUDA "
-            "device; use 'auto' or 'emulate' on CPU"
+            "device; on CPU use 'auto' (live-size segments, the fastest there) or 'emulate' (graph semantics)"
         )
     return mode
 

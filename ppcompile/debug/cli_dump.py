@@ -62,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="explicit buckets, comma-separated (default: the backend's ladder)")
     parser.add_argument("--max-capture-tokens", type=int, default=None,
                         help="cap of the default ladder (default: the backend's, 8192)")
-    parser.add_argument("--graph-mode", choices=GRAPH_MODES, default="auto", help="graph_mode option")
+    parser.add_argument("--graph-mode", choices=GRAPH_MODES, default=None,
+                        help="graph_mode option (default: cuda on a CUDA device, else emulate: the dump "
+                             "shows the graph path, which 'auto' does not take on CPU)")
     parser.add_argument("--segment-compiler", choices=SEGMENT_COMPILERS, default="eager",
                         help="segment_compiler option (default: eager)")
     parser.add_argument("--debug", action="store_true", help="debug option (replay address checks)")
@@ -74,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Compiles, runs and dumps the stage; prints the report; returns the exit code."""
     from ppcompile.backends.pp_breakable import stage_runtimes
+    from ppcompile.config import graph_path_mode
     from ppcompile.models import REFERENCE_CONFIGS, make_batch
     from ppcompile.pipeline import InProcessPipeline
 
@@ -90,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     # An application entry point: show ppcompile's log lines (PPCOMPILE_LOG_LEVEL=INFO for progress lines).
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-    options: dict[str, object] = {"dump_dir": os.path.abspath(args.out), "graph_mode": args.graph_mode,
+    graph_mode = args.graph_mode or graph_path_mode(torch.device(args.device).type)
+    options: dict[str, object] = {"dump_dir": os.path.abspath(args.out), "graph_mode": graph_mode,
                                   "segment_compiler": args.segment_compiler, "debug": args.debug}
     if args.capture_sizes:
         options["capture_sizes"] = args.capture_sizes

@@ -63,7 +63,9 @@ def _admitted_by(ctx: PassContext) -> Callable[[int], bool] | None:
     return lambda size: holds_at(guards, token, size)
 
 
-def _eager_reason(ctx: PassContext, program: Program, plan: BucketPlan, graph_mode: str) -> str | None:
+def _eager_reason(
+    ctx: PassContext, program: Program, plan: BucketPlan, config: PPBreakableConfig, graph_mode: str
+) -> str | None:
     if ctx.is_static:
         return (
             "Dynamo traced concrete token sizes: it always does for a 1-token batch, for the first "
@@ -74,8 +76,10 @@ def _eager_reason(ctx: PassContext, program: Program, plan: BucketPlan, graph_mo
     if not ctx.eligible:
         return ctx.ineligible_reason
     if graph_mode == "none":
-        return ("graph_mode='none': the segments run at the live token count, with no graphs, "
-                "padding or static buffers")
+        asked = ("graph_mode='none'" if config.graph_mode == "none" else
+                 "graph_mode='auto' off CUDA resolves to graph_mode='none' (faster on CPU than emulated "
+                 "graphs; 'emulate' runs the graph path)")
+        return f"{asked}: the segments run at the live token count, with no graphs, padding or static buffers"
     readable = (InputKind.MODULE_STATE, InputKind.TENSOR, InputKind.CONSTANT_SCALAR)
     for st in program.steps:
         if not st.segment.is_graph:
@@ -129,7 +133,7 @@ def lower_stage(
         live_checks=tuple(checked_values(program, tensor_slots, known))
         if skip_size_asserts and not ctx.is_static else (),
         traced_strides=config.segment_compiler != "eager" and not ctx.is_static,
-        eager_reason=_eager_reason(ctx, program, plan, graph_mode),
+        eager_reason=_eager_reason(ctx, program, plan, config, graph_mode),
         split_module=split,
         segment_compiles=tuple(segment_compiles),
         compile_times=types.MappingProxyType(dict(compile_times or {})),

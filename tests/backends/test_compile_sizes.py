@@ -18,7 +18,7 @@ from ppcompile.models import REFERENCE_CONFIGS, make_stage
 PP = 4
 CFG = REFERENCE_CONFIGS["tiny"]  # one layer a stage: 2 graph segments, both distinct
 SIZES = [4, 8, 16, 32, 64]
-OPTIONS = {"segment_compiler": "inductor", "capture_sizes": SIZES}
+OPTIONS = {"segment_compiler": "inductor", "capture_sizes": SIZES, "graph_mode": "emulate"}  # graph path
 
 
 def test_compile_sizes_serve_their_bucket_with_a_static_artifact(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from ppcompile.models import REFERENCE_CONFIGS, make_stage
 PP = 4
 CFG = REFERENCE_CONFIGS["small-dense"].replace(num_layers=12)  # 3 layers a stage: 4 graph segments
 SIZES = [4, 8, 16, 32, 64]
-OPTIONS = {"segment_compiler": "inductor", "capture_sizes": SIZES}
+OPTIONS = {"segment_compiler": "inductor", "capture_sizes": SIZES, "graph_mode": "emulate"}  # graph path
 GRAPH_SEGMENTS = 4  # before layer 1's attention, between attentions (x2), after the last one
 UNIQUE = 3  # first, middle, last
 

@@ -86,6 +86,7 @@ def test_a_failing_path_is_dropped_with_its_reason_and_the_others_still_run() ->
     assert list(harness.modules) == ["eager", "ppb"]
     assert "graph_mode" in harness.failed["bad"] and "bogus" in harness.failed["bad"]
     assert harness.max_diffs["ppb"] < 1e-4  # the measured path computes what eager computes
+    assert harness.graph_mode("ppb") == "emulate"  # a graph path: emulated on CPU, not "auto"'s live size
 
 
 def test_bench_command_runs_every_benchmark_and_writes_the_docs(tmp_path: Path) -> None:
@@ -96,6 +97,8 @@ def test_bench_command_runs_every_benchmark_and_writes_the_docs(tmp_path: Path) 
     tp = json.loads((out / "throughput.json").read_text())
     assert [r["cap"] for r in tp["rows"]] == [8, 16, 32, 64, 128]
     capture_cap = tp["suite"]["capture_cap"]
+    modes = {p["name"]: p["graph_mode"] for p in tp["paths"]}
+    assert modes == {"eager": "-", "ppb": "emulate", "ppb-static": "eager"}  # the graph paths, on CPU
     for row in tp["rows"]:
         assert set(row["tok_s"]) == {"eager", "ppb", "ppb-static"}
         assert all(v > 0 for v in row["tok_s"].values()) and row["ratio"]["eager"] == 1.0

@@ -49,10 +49,12 @@ class Stage:
 
 
 def compile_stage(options: dict[str, Any], cfg_name: str = "tiny", rank: int = 1, pp: int = 4) -> Stage:
-    """Compiles the stage (lazily: Dynamo compiles at the first call)."""
+    """Compiles the stage (lazily: Dynamo compiles at the first call), with the graph path's emulation
+    unless ``options`` name another graph mode: dumps and reports of the graph path are what these tests
+    read, and ``"auto"`` serves the live path on CPU."""
     module = make_stage(REFERENCE_CONFIGS[cfg_name], rank, pp)
     compiled = torch.compile(module, backend="pp_breakable", dynamic=True,
-                             options={"capture_sizes": SIZES, **options})
+                             options={"capture_sizes": SIZES, "graph_mode": "emulate", **options})
     return Stage(cfg_name, rank, pp, module, compiled)
 
 

@@ -16,7 +16,7 @@ from ppcompile.debug.table import format_ids, format_table
 def test_dump_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "dumps"
     code = main(["dump", "--stage", "1/4", "--model", "tiny", "--out", str(out), "--capture-sizes", "8,16,32",
-                 "--tokens", "12"])
+                 "--tokens", "12", "--graph-mode", "emulate"])
     printed = capsys.readouterr().out
     assert code == 0
     assert "tiny stage 1/4, 12 tokens in 1 sequence(s)" in printed and "path graph, bucket 16" in printed
@@ -25,6 +25,7 @@ def test_dump_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         p.name for p in folder.iterdir()}
     report = json.loads((folder / "report.json").read_text())
     assert report["captures"]["count"] == 2 * 3 and report["config"]["capture_sizes"] == [8, 16, 32]
+    assert report["graph_mode"] == "emulate"
 
     assert main(["report", str(out)]) == 0
     table = capsys.readouterr().out

@@ -97,7 +97,8 @@ def test_each_module_instance_records_a_capture_run(tmp_path: Path) -> None:
 def test_always_eager_stage_has_no_memory_estimate(tmp_path: Path) -> None:
     stage = compile_stage({"dump_dir": str(tmp_path)})
     stage.compiled = torch.compile(stage.module, backend="pp_breakable", dynamic=False,
-                                   options={"capture_sizes": SIZES, "dump_dir": str(tmp_path)})
+                                   options={"capture_sizes": SIZES, "graph_mode": "emulate",
+                                            "dump_dir": str(tmp_path)})
     stage.call(10)
     r = read_report(str(tmp_path / stage.runtime.name))
     assert "concrete token sizes" in r["eager_reason"]

@@ -24,7 +24,7 @@ from ppcompile.runtime.stage_runtime import StageRuntime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = [4, 8, 16]
-OPTIONS = {"capture_sizes": SIZES}
+OPTIONS = {"capture_sizes": SIZES, "graph_mode": "emulate"}  # the graph path ("auto" is live-size on CPU)
 MOE = ("qwen2_moe", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 EAGER_ATTENTION = ("gpt_oss",)  # transformers has no SDPA path for it: attention in plain ops
 HYBRID = ("qwen3_next",)  # with 2 layers: stage 0 is linear attention, stage 1 full attention

@@ -111,7 +111,8 @@ def test_a_stage_with_regions_compiles_to_the_same_segments_and_numbers(model: s
 
     cfg = REFERENCE_CONFIGS[model].replace(num_layers=12, compile_regions=True)
     stage = make_stage(cfg, 1, 4)
-    compiled = torch.compile(stage, backend="pp_breakable", options={"capture_sizes": [4, 8, 16]})
+    options = {"capture_sizes": [4, 8, 16], "graph_mode": "emulate"}
+    compiled = torch.compile(stage, backend="pp_breakable", options=options)
     for i, n in enumerate((5, 16, 17, 1, 8)):
         _, pos, proxies = make_batch(cfg, [n], 1, 4, seed=n)
         if i == 0:
@@ -152,7 +153,8 @@ class AttentionStack(nn.Module):
 
 def test_a_region_holding_a_break_op_splits_there_once_inlined() -> None:
     m = AttentionStack(3)
-    compiled = torch.compile(m, backend="pp_breakable", options={"capture_sizes": [8, 16]})
+    options = {"capture_sizes": [8, 16], "graph_mode": "emulate"}
+    compiled = torch.compile(m, backend="pp_breakable", options=options)
     with ppcompile.counters.expect(replays=2, backend_compiles=1):
         for i, n in enumerate((10, 16)):
             x = torch.randn(n, H)

@@ -239,7 +239,8 @@ class _IndexBreakOutput(torch.nn.Module):
 def test_indexing_a_break_output_is_not_pinned_to_the_break() -> None:
     torch._dynamo.reset()
     m = _IndexBreakOutput()
-    compiled = torch.compile(m, backend="pp_breakable", dynamic=True, options={"capture_sizes": [4, 8]})
+    options = {"capture_sizes": [4, 8], "graph_mode": "emulate"}
+    compiled = torch.compile(m, backend="pp_breakable", dynamic=True, options=options)
     with torch.inference_mode():
         for n in (6, 7):
             x = torch.randn(n, 4)
@@ -258,7 +259,8 @@ class _VmapMask(torch.nn.Module):
 def test_a_vmap_region_with_a_break_is_one_break() -> None:
     torch._dynamo.reset()
     m = _VmapMask()
-    compiled = torch.compile(m, backend="pp_breakable", dynamic=True, options={"capture_sizes": [4, 8]})
+    options = {"capture_sizes": [4, 8], "graph_mode": "emulate"}
+    compiled = torch.compile(m, backend="pp_breakable", dynamic=True, options=options)
     with torch.inference_mode():
         for n in (6, 7):
             x = torch.randn(n, 4)
@@ -324,8 +326,8 @@ def test_folding_joins_layer_ids_and_keeps_the_first_and_last_graphs() -> None:
 
 def test_folded_breaks_equal_eager_off_buckets() -> None:
     f = _two_mixes(2)
-    compiled = torch.compile(f, backend="pp_breakable",
-                             options={"capture_sizes": [8, 16], "split_ops": ["pptest::mix"]})
+    compiled = torch.compile(f, backend="pp_breakable", options={
+        "capture_sizes": [8, 16], "split_ops": ["pptest::mix"], "graph_mode": "emulate"})
     with torch.no_grad():
         for n in (8, 5, 11):
             x = torch.randn(n, 8)

@@ -59,8 +59,8 @@ def _pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
     stage_module = None
     if job.get("embeds") and rank == 0:
         stage_module = EmbedsFirstStage(make_stage(cfg, 0, world))
-    stage = DistributedStage(cfg, options=job["options"][rank], stage=stage_module,
-                             send_mode=job.get("send_mode", "wait"))
+    options = {"graph_mode": "emulate", **job["options"][rank]}  # the graph path ("auto": live on CPU)
+    stage = DistributedStage(cfg, options=options, stage=stage_module, send_mode=job.get("send_mode", "wait"))
     paths, logits = [], []
     with torch.inference_mode():
         for i, lens in enumerate(job["stream"]):
@@ -161,6 +161,7 @@ def test_demo_distributed_spawns_ranks(capsys: pytest.CaptureFixture[str]) -> No
     assert ppcompile_cli(argv) == 0
     out = capsys.readouterr().out
     assert "over torch.distributed (gloo, 2 processes)" in out, out
+    assert "'graph_mode': 'emulate'" in out, out  # the demo's graph path on CPU ("auto" would be live-size)
     assert "graph x2" in out and "eager x2" in out, out
     assert "OK: 0 of 5" in out, out
     # warm-up compiles every rank before the stream; then only the 1-token batch gets a graph of its own

@@ -14,7 +14,7 @@ from ppcompile.models import REFERENCE_CONFIGS, make_batch, make_stage
 from ppcompile.pipeline import InProcessPipeline, StageBinding
 
 CFG = REFERENCE_CONFIGS["tiny"]
-OPTIONS = {"capture_sizes": [4, 8, 16, 32]}
+OPTIONS = {"capture_sizes": [4, 8, 16, 32], "graph_mode": "emulate"}  # the graph path ("auto": live on CPU)
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")

@@ -34,7 +34,7 @@ def _check(c: Any, m: Stage, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 def test_cuda_without_guards_a_cpu_input_is_rejected() -> None:
     m = Stage().cuda()
-    c = compile_stage(m, guard_filter_fn=no_guards)
+    c = compile_stage(m, graph_mode="cuda", guard_filter_fn=no_guards)
     with torch.no_grad():
         _check(c, m, 5)
         assert runtime().graph_mode == "cuda"
@@ -47,7 +47,7 @@ def test_cuda_without_guards_a_cpu_input_is_rejected() -> None:
 
 def test_cuda_debug_stale_output_raises() -> None:
     m = Stage().cuda()
-    c = compile_stage(m, debug=True)
+    c = compile_stage(m, graph_mode="cuda", debug=True)
     with torch.no_grad():
         first, _ = _check(c, m, 5)
         view = first[:2]
@@ -77,7 +77,7 @@ def test_cuda_a_fault_while_the_stream_is_capturing(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(CudaGraphExecutor, "capture", capture)
     m = Stage().cuda()
-    c = compile_stage(m)
+    c = compile_stage(m, graph_mode="cuda")
     with torch.no_grad():
         with pytest.raises(exc):
             c(*_cuda_inputs(5))

@@ -148,7 +148,7 @@ def test_debug_does_not_change_how_the_next_stage_compiles() -> None:
         torch._dynamo.reset()
         counters.reset()
         torch._dynamo.utils.counters.clear()
-        options = {"capture_sizes": [4, 8, 16], "debug": debug}
+        options = {"capture_sizes": [4, 8, 16], "graph_mode": "emulate", "debug": debug}
         graphed = InProcessPipeline(cfg, 4, compiled=True, options=options)
         with torch.inference_mode():
             for i, n in enumerate([5, 9, 16, 3, 20, 7]):
