@@ -24,6 +24,7 @@ if __package__ in (None, ""):
 import torch
 
 import ppcompile
+from ppcompile.config import graph_path_mode
 
 __all__ = ["run_fold"]
 
@@ -92,7 +93,7 @@ def main() -> int:
     parser.add_argument("--graph-mode", default=None, help="default: cuda on a GPU, else emulate")
     parser.add_argument("--ks", default="1,2,3,4,6,8")
     args = parser.parse_args()
-    mode = args.graph_mode or ("cuda" if args.device == "cuda" else "emulate")
+    mode = args.graph_mode or graph_path_mode(torch.device(args.device).type)
     torch.set_num_threads(1)
     rows = run_fold(args.device, mode, [int(k) for k in args.ks.split(",")])
     print(f"| ops between breaks | unfolded us/forward | folded us/forward | folded / unfolded |  ({mode})")
