@@ -24,7 +24,6 @@ from ppcompile.passes.context import PassContext
 from ppcompile.passes.manager import run_passes
 from ppcompile.runtime.stage_runtime import StageRuntime
 
-from .float_attributes import tensorify_float_attributes
 from .segment_compilers import (
     compile_segments,
     compile_times,
@@ -76,12 +75,10 @@ def pp_breakable(
     """Compiles one Dynamo graph of a PP stage into a ``StageRuntime``."""
     config = PPBreakableConfig.from_options(options)
     dynamo_seconds = dynamo_trace_seconds()
-    if config.segment_compiler == "inductor":
-        tensorify_float_attributes(gm)  # x + eps.item() -> x + eps (or Dynamo re-traces)
-    counters.backend_compiles += 1
     name = _graph_name()
     ctx = PassContext(config=config, example_inputs=list(example_inputs), graph_name=name)
     split = run_passes(gm, ctx)
+    counters.backend_compiles += 1  # after the passes: a re-trace a pass asked for is not a compile
     compiled, segment_compiles = compile_segments(split, ctx)
     stage = lower_stage(
         name, split, ctx, compiled, config, _resolve_graph_mode(config, example_inputs),

@@ -231,9 +231,9 @@ def _float_symbols_hidden() -> Iterator[None]:
 
     Inductor's ``tensorify_python_scalars`` asks Dynamo to re-trace the whole stage (floats baked in)
     whenever the shape environment holds a float symbol the graph it compiles did not consume. A
-    segment never sees the floats of the others (break segments read per-call floats eagerly;
-    ``float_attributes`` turned module floats into tensors), so without this every stage with a float
-    input would be traced twice, and per-call floats would be specialised (a recompile per value).
+    segment never sees the floats of the others (break segments read per-call floats eagerly; the pass
+    ``tensorify_float_attributes`` turned module floats into tensors), so without this every stage with a
+    float input would be traced twice, and per-call floats would be specialised (a recompile per value).
     """
     shape_env = current_shape_env()
     if shape_env is None:  # no Dynamo trace around this compile: no shape env to hide floats of

@@ -21,6 +21,8 @@ from ppcompile.passes.find_token_dims import find_token_dims
 from ppcompile.passes.inline_nested_regions import inline_nested_regions
 from ppcompile.passes.lift_static_inputs import lift_static_inputs
 from ppcompile.passes.split_at_breaks import split_at_breaks
+from ppcompile.passes.tensorify_float_attributes import tensorify_float_attributes
+from ppcompile.torch_internals import restart_analysis
 
 __all__ = ["PASSES", "PassError", "run_passes"]
 
@@ -29,6 +31,9 @@ log = logging.getLogger(__name__)
 Pass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 
 PASSES: tuple[Pass, ...] = (
+    # Inductor segments only. First: it may ask Dynamo to re-trace, which throws away any work before it;
+    # it reads the float inputs as Dynamo passes them.
+    tensorify_float_attributes,
     # Every later pass reasons about single ops: put the ops of nested compile regions (traced once,
     # called per layer) back into the stage graph first.
     inline_nested_regions,
@@ -69,6 +74,9 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModu
         start = time.perf_counter()
         try:
             result = p(gm, ctx)
+        except restart_analysis():
+            progress.abort()
+            raise  # Dynamo's own protocol: it re-traces and calls the backend again
         except ValueError:
             progress.abort()
             raise

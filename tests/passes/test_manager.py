@@ -13,6 +13,7 @@ from fx_helpers import dynamo_graph, make_ctx
 from ppcompile.passes import manager
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.manager import PASSES, PassError, run_passes
+from ppcompile.torch_internals import restart_analysis
 
 PASS_NAMES = ["find_token_dims", "align_global_layers", "split_at_breaks", "lift_static_inputs"]
 
@@ -89,6 +90,19 @@ def test_failing_pass_is_reported_by_name(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert isinstance(info.value.__cause__, KeyError)
     assert str(tmp_path) in str(info.value)
     assert list(ctx.pass_times) == [PASSES[0].__name__]
+
+
+def _restart(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    raise restart_analysis()()
+
+
+def test_dynamo_restart_passes_through_unwrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass may ask Dynamo to re-trace (``tensorify_float_attributes``): that is no failure."""
+    monkeypatch.setattr(manager, "PASSES", (_restart,))
+    gm, ex = _graph()
+    with pytest.raises(restart_analysis()) as info:
+        run_passes(gm, make_ctx(gm, ex))
+    assert not isinstance(info.value, PassError)
 
 
 def test_value_error_passes_through_unwrapped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""Float module attributes (a norm's ``eps``) under Inductor segments.
+"""Pass ``tensorify_float_attributes``: float module attributes (a norm's ``eps``) stay tensor inputs.
 
 Dynamo passes a float attribute as a 0-dim float64 CPU tensor input read with ``.item()`` (so one graph
 serves instances with other values). Inductor cannot compile that ``.item()`` in a segment: Inductor's
@@ -8,7 +8,7 @@ floats baked in (a second Dynamo trace: seconds for a deep stage). Instead, wher
 arithmetic with a floating tensor, use the 0-dim tensor itself: the same result dtype (a dimensioned
 tensor wins type promotion over a 0-dim one, as over a Python float), the value read per call, and one
 compiled segment still serves every instance. Graphs captured from it bake the value, which the stage
-runtime already keys by.
+runtime already keys by. Only with ``segment_compiler="inductor"``: eager segments run ``.item()`` as is.
 
 Before::
 
@@ -19,8 +19,9 @@ After::
 
     add = mean + l_self_eps
 
-A float used any other way is left to Dynamo: ``tensorify_float_attributes`` asks it to re-trace with
-that float specialised (a constant in the graph, guarded by value), as Inductor does for a whole graph.
+A float used any other way is left to Dynamo: the pass asks it to re-trace with that float
+specialised (a constant in the graph, guarded by value), as Inductor does for a whole graph; the pass
+manager lets Dynamo's restart through unwrapped.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.passes.find_token_dims import classify_input
 from ppcompile.records import InputKind
 from ppcompile.symbolic import example_value
 from ppcompile.torch_internals import floats_specialized, restart_with_floats_specialized
@@ -76,11 +79,19 @@ def _is_symbolic(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape)
 
 
-def tensorify_float_attributes(gm: torch.fx.GraphModule) -> int:
-    """Rewrites ``x op attr.item()`` to ``x op attr`` for float module attributes; returns how many
-    attributes it rewrote. Raises Dynamo's restart (floats specialised) for any other use."""
-    from ppcompile.passes.find_token_dims import classify_input
+def tensorify_float_attributes(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Rewrites ``x op attr.item()`` to ``x op attr`` for float module attributes under Inductor
+    segments. Raises Dynamo's restart (floats specialised) for any other use."""
+    if ctx.config.segment_compiler != "inductor":
+        return PassResult(gm, modified=False)
+    rewritten = _rewrite(gm)
+    if rewritten:
+        log.debug("%s: %d float attribute(s) stay tensor inputs", ctx.graph_name, rewritten)
+    return PassResult(gm, modified=rewritten > 0)
 
+
+def _rewrite(gm: torch.fx.GraphModule) -> int:
+    """The rewrite in place; returns how many attributes it rewrote."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if not any(_is_symbolic(example_value(p)) for p in placeholders):
         return 0  # concrete sizes: every segment runs eagerly, floats and all
