@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 
 from ppcompile import envs
+from ppcompile.analysis.op_matching import register_attention_op
+from ppcompile.analysis.token_locality import register_token_local_op
 from ppcompile.backends.pp_breakable import pp_breakable, stage_runtimes
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.dynamic import mark_token_dynamic
 from ppcompile.passes.check_padding_safety import PaddingSafetyError
-from ppcompile.passes.op_matching import register_attention_op
-from ppcompile.passes.token_locality import register_token_local_op
 from ppcompile.planning import plan_buckets
 from ppcompile.proxy import PPProxyTensors
 from ppcompile.regions import eager_region, token_local

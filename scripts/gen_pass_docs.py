@@ -9,8 +9,8 @@ import inspect
 import sys
 from pathlib import Path
 
+from ppcompile.analysis.token_locality import RULES
 from ppcompile.passes.manager import PASSES
-from ppcompile.passes.token_locality import RULES
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "passes.md"
 

@@ -1,5 +1,6 @@
-"""The package's imports point one way: the runtime never imports the compile side or the debug tools, and
-no module imports itself back through others (lazy imports inside functions count too)."""
+"""The package's imports point one way: the analysis helpers import nothing of the passes or what follows
+them, the runtime never imports the compile side or the debug tools, and no module imports itself back
+through others (lazy imports inside functions count too)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ppcompile"
-# The runtime serves calls; what compiles a stage (passes, backends, lowering) and what observes it (debug)
-# must not be reachable from it.
-NOT_FROM_RUNTIME = ("ppcompile.passes", "ppcompile.backends", "ppcompile.lowering", "ppcompile.debug")
+# The analysis helpers (op matching, token locality) sit between the config and the passes: the passes use
+# them, they use nothing that comes after.
+NOT_FROM_ANALYSIS = ("ppcompile.passes", "ppcompile.backends", "ppcompile.lowering", "ppcompile.runtime",
+                     "ppcompile.debug", "ppcompile.models", "ppcompile.pipeline")
+# The runtime serves calls; what compiles a stage (analysis, passes, backends, lowering) and what observes
+# it (debug) must not be reachable from it.
+NOT_FROM_RUNTIME = ("ppcompile.analysis", "ppcompile.passes", "ppcompile.backends", "ppcompile.lowering",
+                    "ppcompile.debug")
 
 
 def _module_name(path: Path) -> str:
@@ -42,10 +48,17 @@ def _imports() -> dict[str, set[str]]:
     return graph
 
 
+def _wrong(layer: str, forbidden: tuple[str, ...]) -> set[tuple[str, str]]:
+    return {(m, dep) for m, deps in _imports().items() if m.startswith(layer)
+            for dep in deps if dep.startswith(forbidden)}
+
+
+def test_the_analysis_helpers_import_nothing_downstream() -> None:
+    assert not (wrong := _wrong("ppcompile.analysis", NOT_FROM_ANALYSIS)), sorted(wrong)
+
+
 def test_the_runtime_imports_neither_the_compile_side_nor_debug() -> None:
-    wrong = {(m, dep) for m, deps in _imports().items() if m.startswith("ppcompile.runtime")
-             for dep in deps if dep.startswith(NOT_FROM_RUNTIME)}
-    assert not wrong, sorted(wrong)
+    assert not (wrong := _wrong("ppcompile.runtime", NOT_FROM_RUNTIME)), sorted(wrong)
 
 
 def test_no_import_cycles() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ppcompile.passes.token_locality import mutated_inputs
+from ppcompile.analysis.token_locality import mutated_inputs
 from ppcompile.records import Segment
 from ppcompile.runtime.program import Program, Ref, SegmentFn, Step, TensorLayout
 from ppcompile.symbolic import SizeFn, example_value, size_expr

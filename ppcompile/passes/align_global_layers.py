@@ -25,8 +25,8 @@ import logging
 
 import torch
 
+from ppcompile.analysis.op_matching import attention_layer_id
 from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.passes.op_matching import attention_layer_id
 
 __all__ = ["align_global_layers"]
 

@@ -5,7 +5,7 @@ along the token dim: a mean or sum over tokens, a cumsum, a sort or top-k along 
 out in plain ops, a matmul contracting over tokens, an index or gather that addresses other tokens, a
 ``view`` that folds tokens into another dim, an in-place write into a graph input (a KV cache written
 by slot indices would receive padded rows). For every node that touches a token dim this pass applies
-the op's rule (``token_locality.RULES``); a node that fails, or whose op has no rule and is not
+the op's rule (``analysis.token_locality.RULES``); a node that fails, or whose op has no rule and is not
 registered token-local, gets ``meta["pp_unsafe"]`` with the reason. Nodes of a region declared
 token-local (``find_declared_regions``) skip the op rules. Whatever its op, a node is unsafe when a
 token-dim size it makes or reads shrinks as the token count grows, or when it writes into a graph input.
@@ -34,10 +34,10 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, resolve_op
+from ppcompile.analysis.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
+from ppcompile.analysis.token_locality import is_registered_token_local, op_name, rule_for, written_input
 from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.passes.op_matching import OpMatcher, always_split_ops, resolve_op
-from ppcompile.passes.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
-from ppcompile.passes.token_locality import is_registered_token_local, op_name, rule_for, written_input
 from ppcompile.symbolic import SizeFn, example_value, first_decrease, shape_exprs
 from ppcompile.torch_internals import tree_leaves
 

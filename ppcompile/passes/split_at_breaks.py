@@ -40,9 +40,9 @@ import sympy
 import torch
 from torch.fx.passes.split_module import split_module
 
+from ppcompile.analysis.op_matching import OpMatcher, always_split_ops
+from ppcompile.analysis.token_locality import VIEW_OPS
 from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.passes.op_matching import OpMatcher, always_split_ops
-from ppcompile.passes.token_locality import VIEW_OPS
 from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
 from ppcompile.symbolic import example_value, shape_exprs, size_expr
 from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ppcompile.passes.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
+from ppcompile.analysis.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
 from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves, written_arguments
 
 __all__ = [
@@ -38,7 +38,7 @@ _REGISTERED: set[Any] = set()
 def register_token_local_op(op: Any) -> None:
     """Declares ``op`` (an op, packet, or ``"ns::name"``) token-local: row i of its outputs depends only
     on row i of its inputs, so it may run inside graphs on padded buckets."""
-    from ppcompile.passes.op_matching import resolve_op
+    from ppcompile.analysis.op_matching import resolve_op
 
     _REGISTERED.add(resolve_op(op))
 
