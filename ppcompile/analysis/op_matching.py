@@ -1,4 +1,5 @@
-"""Matching FX nodes against ops, as ``OpOverload`` and as ``OpOverloadPacket``, never by name alone."""
+"""Matching FX nodes against ops, as ``OpOverload`` and as ``OpOverloadPacket``, never by name alone; and
+naming a node's op (:func:`op_name`) for rules keyed by name and for messages."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ __all__ = [
     "ATTENTION_LAYER_ARGS",
     "OpMatcher",
     "always_split_ops",
+    "op_name",
     "register_attention_op",
     "resolve_op",
 ]
@@ -57,6 +59,18 @@ def _qualname(op: Any) -> str:
     if isinstance(op, OpOverloadPacket):
         return op._qualified_op_name
     return getattr(op, "__qualname__", str(op))
+
+
+def op_name(node: torch.fx.Node, *, qualified: bool = False) -> str:
+    """A node's op by name: a method's name (``mean``), a function's ``__name__`` (``linear``,
+    ``attention.default``). ``qualified`` names torch ops with their namespace instead
+    (``ppcompile.attention.default``, ``pptest.mix``), as break reasons do."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if qualified and isinstance(target, (OpOverload, OpOverloadPacket)):
+        return str(target)
+    return getattr(target, "__name__", str(target))
 
 
 def always_split_ops() -> list[Any]:

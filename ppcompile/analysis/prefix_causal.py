@@ -23,18 +23,13 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.analysis.op_matching import op_name
 from ppcompile.symbolic import example_value, first_exceeding
 
 __all__ = ["CONV_OPS", "SCAN_OPS", "Tail", "causal_conv_tail", "escaping_tails", "is_prefix_slice"]
 
 SCAN_OPS = frozenset(("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"))
 CONV_OPS = frozenset(("conv1d",))
-
-
-def _name(node: torch.fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
 
 
 def _token_dims(node: Any) -> dict[int, sympy.Expr]:
@@ -96,7 +91,7 @@ def is_prefix_slice(node: torch.fx.Node) -> bool:
     token = _token_dims(src)
     if not token or not isinstance(src, torch.fx.Node) or len(node.args) < 2:
         return False
-    if _name(node) == "narrow":
+    if op_name(node) == "narrow":
         dim, start = node.args[1], node.args[2] if len(node.args) > 2 else None
         rank = example_value(src).dim()
         return isinstance(dim, int) and dim % rank in token and isinstance(start, int) and start == 0
@@ -153,7 +148,7 @@ def escaping_tails(
             if stays_graphed(node) and len(_dims_of(node, tail.extent)) == 1:
                 state[node] = tail
                 continue
-        what = "the stage's outputs" if node.op == "output" else _name(node)
+        what = "the stage's outputs" if node.op == "output" else op_name(node)
         for tail in dirty:
             escapes.update({o: what for o in tail.origins if o not in escapes})
     return escapes

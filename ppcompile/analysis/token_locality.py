@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ppcompile.analysis.op_matching import op_name, resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
 from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves, written_arguments
 
@@ -24,7 +25,6 @@ __all__ = [
     "RULES",
     "VIEW_OPS",
     "is_registered_token_local",
-    "op_name",
     "register_token_local_op",
     "rule_for",
     "written_input",
@@ -38,8 +38,6 @@ _REGISTERED: set[Any] = set()
 def register_token_local_op(op: Any) -> None:
     """Declares ``op`` (an op, packet, or ``"ns::name"``) token-local: row i of its outputs depends only
     on row i of its inputs, so it may run inside graphs on padded buckets."""
-    from ppcompile.analysis.op_matching import resolve_op
-
     _REGISTERED.add(resolve_op(op))
 
 
@@ -310,13 +308,6 @@ VIEW_OPS = frozenset((
 ))
 _IN_PLACE_FUNCTIONS = frozenset(("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "ipow",
                                  "iand", "ior", "ixor", "imod"))
-
-
-def op_name(node: torch.fx.Node) -> str:
-    """A node's op by name: the method name, or the function's ``__name__``."""
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
 
 
 def written_input(node: torch.fx.Node) -> torch.fx.Node | None:

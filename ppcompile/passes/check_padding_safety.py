@@ -34,9 +34,9 @@ from typing import Any
 import sympy
 import torch
 
-from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, resolve_op
+from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name, resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
-from ppcompile.analysis.token_locality import is_registered_token_local, op_name, rule_for, written_input
+from ppcompile.analysis.token_locality import is_registered_token_local, rule_for, written_input
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.symbolic import SizeFn, example_value, first_decrease, shape_exprs
 from ppcompile.torch_internals import tree_leaves
@@ -51,9 +51,8 @@ class PaddingSafetyError(ValueError):
 
 
 def _op_label(node: torch.fx.Node) -> str:
-    if node.op == "call_method":
-        return f"Tensor.{node.target}"
-    return getattr(node.target, "__name__", str(node.target))
+    """How messages name an op: its name, a method as ``Tensor.<name>``."""
+    return f"Tensor.{op_name(node)}" if node.op == "call_method" else op_name(node)
 
 
 def _touches_tokens(node: torch.fx.Node) -> bool:

@@ -40,25 +40,18 @@ import sympy
 import torch
 from torch.fx.passes.split_module import split_module
 
-from ppcompile.analysis.op_matching import OpMatcher, always_split_ops
+from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name
 from ppcompile.analysis.token_locality import VIEW_OPS
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
 from ppcompile.symbolic import example_value, shape_exprs, size_expr
-from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves
+from ppcompile.torch_internals import tree_leaves
 
 __all__ = ["split_at_breaks"]
 
 log = logging.getLogger(__name__)
 
 _COPIED_META = ("example_value", "val", "pp_token_dims", "pp_size_expr")
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    target = node.target
-    if isinstance(target, (OpOverload, OpOverloadPacket)):
-        return str(target)
-    return getattr(target, "__name__", str(target))
 
 
 def _mentions_other_symbols(node: torch.fx.Node, ctx: PassContext) -> bool:
@@ -87,25 +80,26 @@ def _break_reason(
     if reads_host and not isinstance(example_value(node), torch.Tensor):
         host.add(node)  # a number derived from a per-call scalar: its readers run eagerly too
     if "pp_eager_region" in node.meta:
-        return BreakReason(BreakKind.EAGER_REGION, _op_name(node),
+        return BreakReason(BreakKind.EAGER_REGION, op_name(node, qualified=True),
                            f"traced inside {node.meta['pp_eager_region']}, declared an eager region", trace)
     if attention.matches(node):
         layer = node.meta.get("pp_layer_id")
         detail = f"global layer {layer}" if layer is not None else ""
-        return BreakReason(BreakKind.ATTENTION, _op_name(node), detail, trace)
+        return BreakReason(BreakKind.ATTENTION, op_name(node, qualified=True), detail, trace)
     if user.matches(node):
-        return BreakReason(BreakKind.USER_SPLIT_OP, _op_name(node), "listed in split_ops", trace)
+        return BreakReason(BreakKind.USER_SPLIT_OP, op_name(node, qualified=True), "listed in split_ops",
+                           trace)
     if node.op in ("call_function", "call_method") and _mentions_other_symbols(node, ctx):
         others = ", ".join(sorted(str(s) for s in ctx.other_symbols))
         return BreakReason(
-            BreakKind.NON_TOKEN_SHAPE, _op_name(node),
+            BreakKind.NON_TOKEN_SHAPE, op_name(node, qualified=True),
             f"depends on {others}, not only on the token count", trace,
         )
     if "pp_unsafe" in node.meta:
-        return BreakReason(BreakKind.UNSAFE_OP, _op_name(node), node.meta["pp_unsafe"], trace)
+        return BreakReason(BreakKind.UNSAFE_OP, op_name(node, qualified=True), node.meta["pp_unsafe"], trace)
     if reads_host:
         return BreakReason(
-            BreakKind.HOST_SCALAR, _op_name(node),
+            BreakKind.HOST_SCALAR, op_name(node, qualified=True),
             "reads a Python number passed per call, which a graph would replay stale", trace,
         )
     return None
@@ -117,7 +111,7 @@ _MERGEABLE = (BreakKind.NON_TOKEN_SHAPE, BreakKind.UNSAFE_OP, BreakKind.HOST_SCA
 def _extend(reason: BreakReason, node: torch.fx.Node) -> BreakReason:
     """The reason of a run of breaks of one kind: its first node's, naming every op of the run."""
     ops = reason.op.split(", ")
-    name = _op_name(node)
+    name = op_name(node, qualified=True)
     return reason if name in ops else dataclasses.replace(reason, op=f"{reason.op}, {name}")
 
 
@@ -167,7 +161,8 @@ def _atomic_regions(
     for members, what in _region_spans(gm):
         found = [r for r in map(reason_of, members) if r is not None]
         if found:
-            ops = ", ".join(dict.fromkeys(_op_name(n) for n in members if n.op.startswith("call_")))
+            calls = (n for n in members if n.op.startswith("call_"))
+            ops = ", ".join(dict.fromkeys(op_name(n, qualified=True) for n in calls))
             reason = dataclasses.replace(found[0], op=f"{what} ({ops})")
             regions.update({n: (members[0], reason) for n in members})
     return regions
@@ -203,7 +198,8 @@ def _fold_tiny_graphs(
             continue
         head = merged_into[before]
         first, second = reasons[head], reasons.pop(after)
-        names = ", ".join(dict.fromkeys(_op_name(n) for n in members[graph] if n.op.startswith("call_")))
+        calls = (n for n in members[graph] if n.op.startswith("call_"))
+        names = ", ".join(dict.fromkeys(op_name(n, qualified=True) for n in calls))
         reasons[head] = dataclasses.replace(first, detail=(
             f"{first.detail}; joined with the next break ({second.kind.value}: {second.op}) across "
             f"{len(ops)} cheap op{'s' * (len(ops) != 1)} ({names or 'views'}) run eagerly"))
@@ -292,7 +288,8 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         submod = getattr(split, str(node.target))
         reason = reasons.get(index)
         if reason is None and not _has_tensor_output(submod):
-            ops = dict.fromkeys(_op_name(n) for n in submod.graph.nodes if n.op.startswith("call_"))
+            calls = (n for n in submod.graph.nodes if n.op.startswith("call_"))
+            ops = dict.fromkeys(op_name(n, qualified=True) for n in calls)
             reason = BreakReason(BreakKind.NO_TENSOR_OUTPUTS, ", ".join(ops), "computes only numbers")
         segment = Segment(
             name=str(node.target),
