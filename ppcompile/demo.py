@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ppcompile.backends.pp_breakable import stage_runtimes
+from ppcompile.cli_args import int_list
 from ppcompile.config import GRAPH_MODES, PPBreakableConfig, graph_path_mode
 from ppcompile.counters import counters
 from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, make_batch
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline-parallel stages (default: 4; under torchrun: the world size)")
     parser.add_argument("--max-capture-tokens", type=int, default=None,
                         help="cap of the default bucket ladder (default: the backend's, 8192)")
-    parser.add_argument("--capture-sizes", type=_int_list, default=None,
+    parser.add_argument("--capture-sizes", type=int_list, default=None,
                         help="explicit buckets, comma-separated (overrides --max-capture-tokens)")
     parser.add_argument("--graph-mode", choices=GRAPH_MODES, default=None,
                         help="graph_mode option (default: cuda on a GPU, else emulate: the demo shows the "
@@ -71,13 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="process-group timeout in seconds: a stalled send or recv fails after it "
                              f"(default: {DEFAULT_TIMEOUT_S:g})")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
 def parse_tokens(text: str) -> list[list[int] | int]:

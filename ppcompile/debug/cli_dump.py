@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ppcompile.cli_args import int_list
 from ppcompile.debug.dumps import stage_dir
 from ppcompile.debug.report import build_report
 from ppcompile.debug.table import format_report
@@ -38,13 +39,6 @@ def parse_stage(text: str) -> tuple[int, int]:
     return rank, size
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The dump command's options."""
     from ppcompile.config import GRAPH_MODES, SEGMENT_COMPILERS
@@ -58,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=100,
                         help="token count of the forward that triggers capture (default: 100; avoid sizes "
                              "equal to a model dim, which Dynamo may specialise)")
-    parser.add_argument("--capture-sizes", type=_int_list, default=None,
+    parser.add_argument("--capture-sizes", type=int_list, default=None,
                         help="explicit buckets, comma-separated (default: the backend's ladder)")
     parser.add_argument("--max-capture-tokens", type=int, default=None,
                         help="cap of the default ladder (default: the backend's, 8192)")
