@@ -28,24 +28,25 @@ import torch
 from ppcompile.debug.runnable import runnable_source
 from ppcompile.torch_internals import trace_artifact
 
-__all__ = ["emit_artifact", "reset_stage_dir", "stage_dir", "write_graph", "write_text"]
+__all__ = ["distributed_rank", "emit_artifact", "reset_stage_dir", "stage_dir", "write_graph", "write_text"]
 
 log = logging.getLogger(__name__)
 
 ARTIFACT_PREFIX = "ppcompile"
 
 
-def _rank_folder() -> str | None:
+def distributed_rank() -> int | None:
+    """This process's ``torch.distributed`` rank, or None when torch.distributed is not initialised."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return f"rank_{dist.get_rank()}"
-    return None
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 def stage_dir(dump_dir: str, graph_name: str) -> str:
     """The folder of one stage graph's dumps (with a ``rank_<r>`` level under torch.distributed)."""
-    rank = _rank_folder()
-    return os.path.join(dump_dir, rank, graph_name) if rank else os.path.join(dump_dir, graph_name)
+    rank = distributed_rank()
+    if rank is None:
+        return os.path.join(dump_dir, graph_name)
+    return os.path.join(dump_dir, f"rank_{rank}", graph_name)
 
 
 def reset_stage_dir(folder: str) -> None:

@@ -21,7 +21,7 @@ import sympy
 import torch
 
 from ppcompile.debug.capture import capture_records
-from ppcompile.debug.dumps import emit_artifact, stage_dir, write_graph, write_text
+from ppcompile.debug.dumps import distributed_rank, emit_artifact, stage_dir, write_graph, write_text
 from ppcompile.runtime.executors import EXECUTORS
 from ppcompile.symbolic import SizeFn, example_value, size_expr
 from ppcompile.torch_internals import compile_id, shape_env_hints, symint_shape_env
@@ -182,11 +182,6 @@ def runtime_code(runtime: StageRuntime) -> str:
 
 
 # ------------------------------------------------------------------------------ the report
-def _rank() -> int | None:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-
-
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -343,7 +338,7 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "stage_graph": runtime.name,
-        "rank": _rank(),
+        "rank": distributed_rank(),
         "versions": {"ppcompile": __version__, "torch": torch.__version__},
         "graph_mode": runtime.graph_mode,
         "eager_reason": runtime.eager_reason,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import json
 import logging
 import os
 import runpy
@@ -124,13 +125,14 @@ def _gloo_world_of_one(tmp_path: Path) -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("_gloo_world_of_one")
-def test_rank_subfolder_under_torch_distributed(tmp_path: Path) -> None:
+def test_rank_subfolder_and_report_rank_under_torch_distributed(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     stage = compile_stage({"dump_dir": str(dumps)})
     stage.call(10)
     folder = dumps / "rank_0" / stage.runtime.name
     assert (folder / "00.dynamo_graph.py").is_file() and (folder / "report.json").is_file()
     assert [p.name for p in dumps.iterdir()] == ["rank_0"]
+    assert json.loads((folder / "report.json").read_text())["rank"] == 0  # the same rank in the report
 
 
 class _Artifacts(logging.Handler):
