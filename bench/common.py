@@ -30,6 +30,8 @@ from ppcompile.models import (
     make_stage,
     set_forward_context,
 )
+from ppcompile.pipeline.inprocess import STAGE_RECOMPILE_LIMIT
+from ppcompile.torch_internals import raise_recompile_limit
 
 __all__ = [
     "ATTENTION_OP",
@@ -59,8 +61,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 ATTENTION_OP = "ppcompile::attention"
 SEED_CAPS = (2048, 4096, 8192, 16384, 32768)
 """Aggregate prefill caps of the seed's table; CPU runs divide them by a scale."""
-
-_RECOMPILE_LIMIT = 64  # several compiled paths share one forward code object
 
 
 # ------------------------------------------------------------------------------------------ paths
@@ -195,7 +195,7 @@ class StageHarness:
         self.capture_cap = capture_cap
         self.stage = make_stage(self.cfg, spec.pp_rank, spec.pp_size, self.device)
         self.layer_ids = range(self.stage.start_layer, self.stage.end_layer)
-        _raise_recompile_limit()
+        raise_recompile_limit(STAGE_RECOMPILE_LIMIT)  # its compiled paths share one forward code object
         self.modules: dict[str, Callable[..., Any]] = {p.name: self._build(p) for p in paths}
         self.compile_seconds: dict[str, float] = {}
         self.max_diffs: dict[str, float] = {}
@@ -357,13 +357,6 @@ def _null() -> Any:
     import contextlib
 
     return contextlib.nullcontext()
-
-
-def _raise_recompile_limit() -> None:
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name) and getattr(cfg, name) < _RECOMPILE_LIMIT:
-            setattr(cfg, name, _RECOMPILE_LIMIT)
 
 
 # ------------------------------------------------------------------------------------------ streams

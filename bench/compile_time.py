@@ -48,7 +48,8 @@ import torch
 import ppcompile
 from bench.report import describe_machine, machine_info, markdown_table, update_markdown_section
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
-from ppcompile.pipeline.inprocess import raise_recompile_limit
+from ppcompile.pipeline.inprocess import STAGE_RECOMPILE_LIMIT
+from ppcompile.torch_internals import raise_recompile_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -172,7 +173,7 @@ def steady_state(
     layers: int, hidden: int, token_counts: Sequence[int], rounds: int, calls: int
 ) -> dict[str, Any]:
     """Median per-forward seconds by (path, token count), all paths timed interleaved in this process."""
-    raise_recompile_limit(64)  # six compiled instances share the stage's forward code object
+    raise_recompile_limit(STAGE_RECOMPILE_LIMIT)  # six compiled instances share the forward code object
     torch.set_num_threads(1)
     cfg = stage_config(layers, hidden)
     sizes = sorted(token_counts)

@@ -44,7 +44,9 @@ from ppcompile.models import (
     make_stage,
     set_forward_context,
 )
+from ppcompile.pipeline.inprocess import STAGE_RECOMPILE_LIMIT
 from ppcompile.runtime.buckets import default_capture_ladder
+from ppcompile.torch_internals import raise_recompile_limit
 
 CONTRACTS = ("small-dense", "small-moe", "hidden-only", "topk")
 
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    raise_recompile_limit(STAGE_RECOMPILE_LIMIT)
     device = torch.device(args.device)
     start = time.perf_counter()
     with torch.inference_mode():

@@ -30,13 +30,14 @@ from torch import nn
 
 from ppcompile.models import ModelConfig, make_forward_context, make_stage
 from ppcompile.pipeline.inprocess import (
+    STAGE_RECOMPILE_LIMIT,
     StageBinding,
     StageTrace,
-    raise_recompile_limit,
     run_traced,
     stage_layer_range,
 )
 from ppcompile.proxy import PPProxyTensors
+from ppcompile.torch_internals import raise_recompile_limit
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -56,7 +57,6 @@ DEFAULT_TIMEOUT_S = 300.0
 SEND_MODES = ("wait", "copy")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool)  # wire codes: index in this tuple
-_MIN_RECOMPILE_LIMIT = 64
 
 
 # ------------------------------------------------------------------------------------------ wire format
@@ -168,7 +168,7 @@ class DistributedStage:
         self.compiled = compiled
         self.module: nn.Module = self.stage
         if compiled:
-            raise_recompile_limit(_MIN_RECOMPILE_LIMIT)
+            raise_recompile_limit(STAGE_RECOMPILE_LIMIT)
             self.module = torch.compile(  # type: ignore[assignment]
                 self.stage, backend="pp_breakable", dynamic=dynamic, options=dict(options or {})
             )

@@ -33,10 +33,12 @@ from ppcompile.models import (
 )
 from ppcompile.proxy import PPProxyTensors
 
-__all__ = ["InProcessPipeline", "StageBinding", "StageTrace"]
+__all__ = ["STAGE_RECOMPILE_LIMIT", "InProcessPipeline", "StageBinding", "StageTrace"]
 
 _EMBED_NAMES = ("inputs_embeds", "input_embeds")
-_MIN_RECOMPILE_LIMIT = 64
+STAGE_RECOMPILE_LIMIT = 64
+"""Dynamo's recompile limit wherever many stages (or compiled paths of one stage) are compiled in one
+process: they share one forward code object, and Dynamo's default limit (8) is too low."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +144,7 @@ class InProcessPipeline:
         self.bindings = [StageBinding.of(s) for s in self.stages]
         self.modules: list[nn.Module] = self.stages
         if compiled:
-            raise_recompile_limit(_MIN_RECOMPILE_LIMIT)
+            torch_internals.raise_recompile_limit(STAGE_RECOMPILE_LIMIT)
             opts = dict(options or {})
             self.modules = [
                 torch.compile(s, backend="pp_breakable", dynamic=dynamic, options=opts)  # type: ignore[misc]
@@ -248,7 +250,3 @@ def trace_since(rank: int, before: dict[str, Any] | None, seconds: float) -> Sta
         return StageTrace(rank, "graph", grown[0] if len(grown) == 1 else None, seconds)
     return StageTrace(rank, "eager", None, seconds)
 
-
-def raise_recompile_limit(limit: int) -> None:
-    """Many stage instances share one forward code object; Dynamo's default limit (8) is too low."""
-    torch_internals.raise_recompile_limit(limit)
