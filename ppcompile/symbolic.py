@@ -12,13 +12,14 @@ import torch
 
 from ppcompile.torch_internals import (
     shape_env_guards,
+    shape_env_hints,
     symint_shape_env,
     sympy_interp_logger_name,
     sympy_interp_python,
 )
 
 __all__ = ["SizeFn", "example_value", "first_decrease", "first_exceeding", "holds_at", "shape_exprs",
-           "shape_guards", "size_expr", "size_value_expr"]
+           "shape_guards", "size_expr", "size_hints", "size_value_expr"]
 
 
 def example_value(node: torch.fx.Node) -> Any:
@@ -36,6 +37,15 @@ def size_expr(size: int | torch.SymInt) -> sympy.Expr:
             expr = shape_env.simplify(expr)
         return expr
     return sympy.Integer(int(size))
+
+
+def size_hints(size: int | torch.SymInt) -> dict[sympy.Symbol, int | None]:
+    """The traced value (the ShapeEnv's hint) of each symbol of ``size``'s expression, None where the
+    ShapeEnv has none; empty for a plain int."""
+    if not isinstance(size, torch.SymInt):
+        return {}
+    values = shape_env_hints(symint_shape_env(size))
+    return {s: None if (v := values.get(s)) is None else int(v) for s in size_expr(size).free_symbols}
 
 
 def size_value_expr(value: Any) -> sympy.Basic | None:

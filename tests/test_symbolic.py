@@ -1,4 +1,5 @@
-"""Tests of ``SizeFn`` (fast evaluation of size expressions for a token count) and ``first_decrease``."""
+"""Tests of ``SizeFn`` (fast evaluation of size expressions for a token count), ``first_decrease`` and
+``size_hints``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv, Mod
 
-from ppcompile.symbolic import SizeFn, first_decrease, size_expr
+from ppcompile.symbolic import SizeFn, example_value, first_decrease, size_expr, size_hints
 
 S0 = sympy.Symbol("s0", integer=True, positive=True)
 S1 = sympy.Symbol("s1", integer=True, positive=True)
@@ -55,6 +56,23 @@ def test_general_expression_is_memoised() -> None:
 
 def test_size_expr_of_an_int() -> None:
     assert size_expr(5) == sympy.Integer(5)
+
+
+def test_size_hints_are_the_traced_values_of_a_sizes_symbols() -> None:
+    seen: list[torch.Size] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[object]) -> object:
+        (out,) = gm.graph.find_nodes(op="output")[0].args[0]
+        seen.append(example_value(out).shape)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: torch.cat([x, x]), backend=backend, dynamic=True)(torch.randn(6, 4))
+    torch._dynamo.reset()
+    rows, cols = seen[0]  # 2 * s0 and s1
+    (s0,), (s1,) = size_expr(rows).free_symbols, size_expr(cols).free_symbols
+    assert size_expr(rows) == 2 * s0 and size_hints(rows) == {s0: 6} and size_hints(cols) == {s1: 4}
+    assert size_hints(5) == {}
 
 
 def test_repr() -> None:

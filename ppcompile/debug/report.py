@@ -23,8 +23,8 @@ import torch
 from ppcompile.debug.capture import capture_records
 from ppcompile.debug.dumps import distributed_rank, emit_artifact, stage_dir, write_graph, write_text
 from ppcompile.runtime.executors import EXECUTORS
-from ppcompile.symbolic import SizeFn, example_value, size_expr
-from ppcompile.torch_internals import compile_id, shape_env_hints, symint_shape_env
+from ppcompile.symbolic import SizeFn, example_value, size_expr, size_hints
+from ppcompile.torch_internals import compile_id
 
 if TYPE_CHECKING:
     from ppcompile.passes.context import PassContext
@@ -46,11 +46,9 @@ class _Size:
         self.dims = [SizeFn(size_expr(s)) for s in value.shape]
         self.hints: dict[sympy.Symbol, int] = {}
         for s in value.shape:
-            if isinstance(s, torch.SymInt):
-                vals = shape_env_hints(symint_shape_env(s))
-                for sym in size_expr(s).free_symbols:
-                    if sym != token_symbol:
-                        self.hints[sym] = int(vals.get(sym, 1))
+            for sym, hint in size_hints(s).items():
+                if sym != token_symbol:
+                    self.hints[sym] = 1 if hint is None else hint
         self.token_symbol = token_symbol
 
     def nbytes(self, bucket: int) -> int:

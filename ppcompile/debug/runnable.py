@@ -16,13 +16,11 @@ from typing import Any
 import sympy
 import torch
 
-from ppcompile.symbolic import example_value, size_expr
+from ppcompile.symbolic import example_value, size_expr, size_hints
 from ppcompile.torch_internals import (
     OpOverload,
     OpOverloadPacket,
     custom_op_module,
-    shape_env_hints,
-    symint_shape_env,
 )
 
 __all__ = ["runnable_source"]
@@ -84,14 +82,9 @@ class _Symbols:
         self.hints: dict[sympy.Symbol, int] = {}
 
     def expr(self, size: int | torch.SymInt) -> sympy.Expr:
-        expr = size_expr(size)
-        if isinstance(size, torch.SymInt):
-            var_to_val = shape_env_hints(symint_shape_env(size))
-            for s in expr.free_symbols:
-                if s not in self.hints:
-                    hint = var_to_val.get(s)
-                    self.hints[s] = int(hint) if hint is not None else 8
-        return expr
+        for s, hint in size_hints(size).items():
+            self.hints.setdefault(s, 8 if hint is None else hint)
+        return size_expr(size)
 
     def code(self, size: int | torch.SymInt) -> str:
         """Python for a size: a literal, or a polynomial in the harness's size keywords."""
