@@ -22,7 +22,7 @@ Before (``s0`` tokens)::
 After (same code)::
 
     linear.meta                   # no "pp_unsafe": contracts features only
-    mean.meta["pp_unsafe"] == "mean reduces along the token dim"
+    mean.meta["pp_unsafe"] == "Tensor.mean reduces along the token dim"
     sub.meta                      # elementwise, broadcasts [1, 64] over rows: token-local
 """
 
