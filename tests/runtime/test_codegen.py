@@ -306,6 +306,45 @@ def test_a_layout_static_buffers_cannot_hold_fails_capture_clearly_then_runs_eag
                 _check(c, m, *_inputs(n, seed=i))
 
 
+class ColumnMajorReader(torch.nn.Module):
+    """graph (up) | break (column-major mixer output) | graph (fused elementwise reader of it, down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(H, H), torch.nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.ops.pptest_live.honest_column_major(torch.relu(self.up(x + residual)))
+        out = self.down(torch.sigmoid(h) * 2 + h)
+        return out, out + residual
+
+
+def test_without_the_capture_layout_check_a_column_major_bridge_gives_wrong_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the check above prevents: the fused reader was compiled for the bucket's column stride, the
+    bridge's bucket view has the largest bucket's, so the replay reads the wrong elements."""
+    monkeypatch.setattr("ppcompile.runtime.instance.check_static_layout", lambda *args: None)
+    m = ColumnMajorReader()
+    c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
+    with torch.no_grad(), ppcompile.counters.expect(replays=1):
+        x, r = _inputs(5)
+        got, want = c(x, r)[0], m(x, r)[0]
+    assert not torch.allclose(got, want, atol=1e-3)
+
+
+def test_with_the_check_a_column_major_bridge_reader_runs_eagerly_and_right() -> None:
+    m = ColumnMajorReader()
+    c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="compiled for .*strides"):
+            c(*_inputs(5))
+        with ppcompile.counters.expect(replays=0, eager_runs=2):
+            for i, n in enumerate([5, 9]):
+                _check(c, m, *_inputs(n, seed=i))
+
+
 class TokenInnerStage(torch.nn.Module):
     """graph (up, and ``[H, T]`` row-major: the token dim inner) | break (mixer) | graph (reads both)."""
 
