@@ -121,3 +121,47 @@ def test_random_interleaved_streams_match_eager(stream: list[tuple[str, int, int
                 bytes_after = _static_bytes()
                 for rt, size in bytes_after.items():
                     assert size == bytes_before.get(rt, 0), f"{rt.name}: grew without a capture"
+
+
+# A middle stage (rank 1 of 3) hands over the proxies it takes: its outputs can be fed straight back in.
+MIDDLE = BASE.replace(num_layers=3)
+_MIDDLE: list[tuple[torch.nn.Module, Any]] = []
+
+
+def _middle() -> tuple[torch.nn.Module, Any]:
+    if not _MIDDLE:
+        module = make_stage(MIDDLE, 1, 3)
+        compiled = torch.compile(module, backend="pp_breakable", dynamic=True,
+                                 options={"capture_sizes": SIZES, "graph_mode": "emulate"})
+        _MIDDLE.append((module, compiled))
+    return _MIDDLE[0]
+
+
+feeds = st.lists(st.one_of(st.just("feed"), st.sampled_from(EDGES), st.integers(1, CAP + 12)),
+                 min_size=2, max_size=8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(stream=feeds, seed=st.integers(0, 2**16))
+def test_random_streams_feeding_outputs_back_as_inputs_match_eager(stream: list[Any], seed: int) -> None:
+    """``"feed"`` calls the stage on its own previous outputs (views into its static memory on the graph
+    path, which the call overwrites while reading them); a number calls it on a fresh batch."""
+    module, compiled = _middle()
+    prev: tuple[Any, Any] | None = None  # (compiled output, eager output) of the previous call
+    with torch.inference_mode():
+        for i, step in enumerate(stream):
+            if step == "feed" and prev is not None:
+                n = prev[1]["hidden_states"].shape[0]
+                got_in, want_in = prev
+            else:
+                n = step if step != "feed" else 5
+                _, _, proxies = make_batch(MIDDLE, [n], 1, 3, seed=seed + i)
+                got_in = want_in = proxies
+            _, pos, _ = make_batch(MIDDLE, [n], 1, 3, seed=seed + i)
+            ctx = make_forward_context([n], MIDDLE, range(module.start_layer, module.end_layer))
+            with set_forward_context(ctx):
+                got = compiled(None, pos, pp_proxy_tensors=got_in)
+            with set_forward_context(ctx):
+                want = module(None, pos, pp_proxy_tensors=want_in)
+            _same(got, want, f"middle stage, call {i} ({step}) at {n} tokens")
+            prev = (got, want)
