@@ -10,6 +10,53 @@ source are contiguous across them. A flat index ``e`` over the region splits int
 offsets are ``sum(index * stride)`` with the destination's strides (fixed: the buffer is bound once) and the
 source's strides, baked into the source as constants (a layout seen so far) or read from arguments (a
 source whose strides change between calls).
+
+The kernel (:func:`kernel_source`) has the copier's exact arity and one ``if`` per tensor over a range of
+program ids, like Inductor's foreach kernels; the destinations' shapes and strides, and the sources' strides
+as first seen, are constants in its source. For a ``[8192, 4096]`` bf16 buffer and an ``[8192]`` int64 one,
+both with contiguous sources::
+
+    @triton.jit(do_not_specialize=['n0', 'b0', 'n1', 'b1'])
+    def ppcompile_row_copy(d0, s0, n0: tl.int32, b0: tl.int32, d1, s1, n1: tl.int32, b1: tl.int32):
+        pid = tl.program_id(0)
+        # tensor 0: axes (size:dst stride/src stride) [b:4096/4096, 4096:1/1], block 4096
+        end0 = (b0 * 4096 + 4095) // 4096
+        if pid < end0:
+            e0 = pid * 4096 + tl.arange(0, 4096)
+            r0 = e0
+            x0_1 = r0 % 4096
+            r0 = r0 // 4096
+            m0 = e0 < b0 * 4096
+            v0 = tl.load(s0 + (r0 * 4096 + x0_1), mask=m0 & (r0 < n0), other=0)
+            tl.store(d0 + (r0 * 4096 + x0_1), v0, mask=m0)
+        # tensor 1: axes (size:dst stride/src stride) [b:1/1], block 1024
+        end1 = end0 + (b1 + 1023) // 1024
+        if (pid >= end0) & (pid < end1):
+            ...
+
+The loads and stores are masked, so the flat index needs no bounds of its own; constant strides let Triton
+prove contiguity and alignment, and the main case moves 16 bytes per load and store. The host function
+(:func:`host_source`) is straight-line code that checks each source (dtype, device, shape, and
+``0 <= n <= b <= rows``) and launches the compiled kernel directly with raw pointers, ``n`` and ``b``
+(never specialized: no recompile as ``n`` changes; no per-call host-to-device copy of metadata)::
+
+    def row_copy(srcs, ns, bs):
+        ...
+        s0, s1, = srcs
+        n0, n1, = ns
+        b0, b1, = bs
+        z = s0.shape
+        if s0.dtype is not dtype_0 or len(z) != 2 or z[0] != n0 or z[1] != 4096 or ...:
+            bad(0, s0, n0, b0)
+        p0 = s0.data_ptr()
+        if n0:
+            st = s0.stride()
+            if p0 & 15 or (n0 > 1 and st[0] != 4096) or st[1] != 1:
+                return slow(srcs, ns, bs)
+        ...
+        grid = (b0 * 4096 + 4095) // 4096 + (b1 + 1023) // 1024
+        if grid:
+            run(grid, 1, 1, stream(DEV), FN, META, None, None, None, D0, p0, n0, b0, D1, p1, n1, b1)
 """
 
 from __future__ import annotations
@@ -202,7 +249,7 @@ def kernel_source(plans: Sequence[TensorPlan]) -> str:
 # ----------------------------------------------------------------------------------- the host side
 def host_source(plans: Sequence[TensorPlan], direct: bool, checked: bool, guard_device: bool) -> str:
     """The host function ``row_copy(srcs, ns, bs)`` for ``plans`` (names it reads: see
-    ``fused_copy.TritonRowCopier``). ``checked``: validate the sources and test that each still has the
+    ``fused_copy_triton.TritonRowCopier``). ``checked``: validate the sources and test that each still has the
     layout its plan baked (else hand the call to ``slow``); unchecked, it trusts a caller that did.
     ``direct``: launch through the compiled kernel's launcher with raw pointers (``run``, ``FN``,
     ``META``, ``stream``); else through ``run(grid, *args)`` with tensors (the Triton interpreter).
