@@ -5,21 +5,12 @@
   bucket (and the live sizes of the eager path). ``compile_sizes`` adds artifacts specialised to
   chosen buckets (static shapes), used at exactly those token counts.
 
-Compile once per structure. Dynamo passes parameters as graph inputs, so the segments of N identical
-decoder layers differ only in placeholder names and in which weights they are handed: a stage of 32
-layers has 65 segments but about three distinct ones. Each segment gets a *structural key* (its nodes by
-position, targets, constants, the dtype/shape/stride/device of every input with symbols renamed in order
-of appearance, which inputs are module state, and the compiler options); segments with equal keys share
-one compiled artifact, each call site passing its own parameters. The cache is process-wide, so the
-stages of one process share too. ``counters.segment_compiles`` counts artifacts compiled,
-``counters.segment_cache_hits`` the segments that reused one.
-
-Before (two layers' middle segments)::
-
-    def forward(self, out, L_w2_o_, L_w2_up_):      # layer 2       key 3f0c...
-    def forward(self, out_1, L_w3_o_, L_w3_up_):    # layer 3       key 3f0c...  -> reused
-
-After: both call sites hold the same compiled callable.
+Compile once per structure: each graph segment gets a *structural key* (``structural_key.py``: its
+code, input metadata and roles, and the compiler options, names aside); segments with equal keys share
+one compiled artifact, each call site passing its own parameters, so a stage of 32 identical layers (65
+segments) compiles about three. The cache is process-wide, so the stages of one process share too.
+``counters.segment_compiles`` counts artifacts compiled, ``counters.segment_cache_hits`` the segments
+that reused one.
 """
 
 from __future__ import annotations
@@ -42,8 +33,6 @@ from ppcompile.passes.context import PassContext
 from ppcompile.records import InputKind
 from ppcompile.symbolic import example_value, size_expr
 from ppcompile.torch_internals import (
-    OpOverload,
-    OpOverloadPacket,
     current_shape_env,
     dynamo_compile_start_ns,
     inductor_compile,
@@ -56,6 +45,8 @@ from ppcompile.torch_internals import (
     without_dynamo_disable,
 )
 from ppcompile.torch_internals import shape_env_facts as _shape_facts  # a name tests patch
+
+from .structural_key import clear_pinned, structural_key
 
 __all__ = [
     "SEGMENT_INDUCTOR_DEFAULTS",
@@ -76,8 +67,6 @@ SegmentFn = Callable[..., Any]
 
 _ARTIFACTS: dict[str, tuple[SegmentFn, weakref.ref[Any] | None]] = {}
 """Process-wide: structural key -> (compiled artifact, the shape env it is confined to, or None)."""
-_PINNED: list[Any] = []
-"""Objects a key names by address (a baked tensor): kept alive so no other object takes the address."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,105 +104,7 @@ def segments_skip_size_asserts(config: Any) -> bool:
 def clear_segment_cache() -> None:
     """Forgets every shared artifact (the next compile of each structure compiles again)."""
     _ARTIFACTS.clear()
-    _PINNED.clear()
-
-
-def _by_address(obj: Any) -> str:
-    _PINNED.append(obj)
-    return f"{type(obj).__qualname__}@{id(obj):x}"
-
-
-# ----------------------------------------------------------------------------------- structural key
-class _Canon:
-    """Renders a segment's inputs and constants as text with symbols renamed in order of appearance."""
-
-    def __init__(self) -> None:
-        self.symbols: dict[sympy.Symbol, sympy.Symbol] = {}
-
-    def expr(self, e: sympy.Expr) -> str:
-        for s in sorted(e.free_symbols, key=str):
-            if s not in self.symbols:
-                self.symbols[s] = sympy.Symbol(f"c{len(self.symbols)}", integer=True, positive=True)
-        return str(e.xreplace(self.symbols))
-
-    def value(self, v: Any) -> str:
-        """An input's traced value: metadata only, never data."""
-        if isinstance(v, torch.Tensor):
-            shape = ",".join(self.expr(size_expr(s)) for s in v.shape)
-            stride = ",".join(self.expr(size_expr(s)) for s in v.stride())
-            return f"T({v.dtype},{v.device.type},[{shape}],[{stride}],{v.requires_grad})"
-        if isinstance(v, torch.SymInt):
-            return f"S({self.expr(size_expr(v))})"
-        if isinstance(v, (torch.SymFloat, torch.SymBool)):
-            return f"{type(v).__name__}({self.expr(v.node.expr)})"
-        return f"C({_const(v)})"
-
-
-def _const(v: Any) -> str:
-    """A constant argument as text that is equal exactly when the constant is."""
-    if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
-                      torch.memory_format)):
-        return f"{type(v).__name__}:{v!r}"
-    if isinstance(v, (list, tuple)):
-        return f"{type(v).__name__}[{','.join(_const(x) for x in v)}]"
-    if isinstance(v, slice):
-        return f"slice({_const(v.start)},{_const(v.stop)},{_const(v.step)})"
-    if isinstance(v, dict):
-        return "{" + ",".join(f"{_const(k)}:{_const(x)}" for k, x in v.items()) + "}"
-    text = repr(v)
-    # An object whose repr holds an address (a tensor constant, a function) only equals itself.
-    return _by_address(v) if " at 0x" in text or isinstance(v, torch.Tensor) else text
-
-
-def _target(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
-    t = node.target
-    if node.op == "call_function":
-        if isinstance(t, (OpOverload, OpOverloadPacket)):
-            return str(t)
-        return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', repr(t))}"
-    if node.op == "get_attr":  # a tensor baked into the segment: shared only with the same tensor
-        obj = gm
-        for part in str(t).split("."):
-            obj = getattr(obj, part)
-        return f"attr {_by_address(obj)}"
-    if node.op == "call_module":
-        return f"module {_by_address(gm.get_submodule(str(t)))}"
-    return str(t)
-
-
-def structural_key(
-    gm: torch.fx.GraphModule, input_kinds: Sequence[str], options: Mapping[str, Any]
-) -> str:
-    """The key under which ``gm`` shares a compiled artifact (16 hex digits).
-
-    ``input_kinds`` names each placeholder's role (module state, live tensor, intermediate, ...);
-    ``options`` are the compiler and its options. Node names never enter the key.
-    """
-    canon = _Canon()
-    index: dict[torch.fx.Node, int] = {}
-
-    def arg(a: Any) -> str:
-        if isinstance(a, torch.fx.Node):
-            return f"%{index[a]}"
-        if isinstance(a, (list, tuple)):
-            return f"{type(a).__name__}[{','.join(arg(x) for x in a)}]"
-        if isinstance(a, dict):
-            return "{" + ",".join(f"{k}:{arg(x)}" for k, x in a.items()) + "}"
-        return _const(a)
-
-    lines = [f"options {sorted((k, _const(v)) for k, v in options.items())}"]
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    if len(input_kinds) != len(placeholders):
-        raise ValueError(f"structural_key: {len(input_kinds)} input kinds for {len(placeholders)} inputs")
-    kinds = dict(zip(placeholders, input_kinds))
-    for node in gm.graph.nodes:
-        index[node] = len(index)
-        if node.op == "placeholder":
-            lines.append(f"in {kinds[node]} {canon.value(example_value(node))}")
-        else:
-            kwargs = ",".join(f"{k}={arg(v)}" for k, v in node.kwargs.items())
-            lines.append(f"{node.op} {_target(node, gm)} ({arg(node.args)}) {{{kwargs}}}")
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    clear_pinned()
 
 
 # ----------------------------------------------------------------------------------- compiling

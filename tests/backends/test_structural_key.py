@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from ppcompile.backends.segment_compilers import structural_key
+from ppcompile.backends.structural_key import structural_key
 
 OPTIONS = {"compiler": "inductor", "compile_sizes": ()}
 KINDS = ["tensor", "module state"]
