@@ -4,7 +4,7 @@
 dict (schema in ``docs/debugging.md``); :func:`publish_report` writes it as ``report.json`` and
 ``report.html`` under the stage's dump folder (when dumping) and emits it as a ``TORCH_TRACE`` artifact.
 The backend publishes once at compile time and again after every capture run (capture is lazy: it
-happens at the first call that takes the graph path).
+happens at the first call that takes the graph path). The memory section is estimated in ``memory.py``.
 """
 
 from __future__ import annotations
@@ -12,18 +12,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-import sympy
 import torch
 
 from ppcompile.debug.capture import capture_records
 from ppcompile.debug.dumps import distributed_rank, emit_artifact, stage_dir, write_graph, write_text
+from ppcompile.debug.memory import SegmentMemory, memory_section, segment_memory
 from ppcompile.runtime.executors import EXECUTORS
-from ppcompile.symbolic import SizeFn, example_value, size_expr, size_hints
 from ppcompile.torch_internals import compile_id
 
 if TYPE_CHECKING:
@@ -38,77 +36,6 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ compile-time facts
-class _Size:
-    """A traced tensor's byte size as a function of the bucket (token symbol) and traced hints."""
-
-    def __init__(self, value: torch.Tensor, token_symbol: sympy.Symbol | None) -> None:
-        self.itemsize = value.dtype.itemsize
-        self.dims = [SizeFn(size_expr(s)) for s in value.shape]
-        self.hints: dict[sympy.Symbol, int] = {}
-        for s in value.shape:
-            for sym, hint in size_hints(s).items():
-                if sym != token_symbol:
-                    self.hints[sym] = 1 if hint is None else hint
-        self.token_symbol = token_symbol
-
-    def nbytes(self, bucket: int) -> int:
-        env = dict(self.hints)
-        if self.token_symbol is not None:
-            env[self.token_symbol] = bucket
-        return math.prod(d(env) for d in self.dims) * self.itemsize
-
-
-@dataclasses.dataclass
-class _SegmentMemory:
-    """A graph segment's outputs (they live as long as its graphs) and its allocations in order."""
-
-    outputs: list[_Size]
-    events: list[tuple[int, _Size]]  # (+1 allocated | -1 freed, size), in execution order
-
-    def output_bytes(self, bucket: int) -> int:
-        return sum(s.nbytes(bucket) for s in self.outputs)
-
-    def transient_bytes(self, bucket: int) -> int:
-        """Peak bytes of the segment's own intermediates at ``bucket``, beyond its outputs."""
-        live = peak = 0
-        for sign, size in self.events:
-            live += sign * size.nbytes(bucket)
-            peak = max(peak, live)
-        return max(0, peak - self.output_bytes(bucket))
-
-
-def _segment_memory(submod: torch.fx.GraphModule, token_symbol: sympy.Symbol | None) -> _SegmentMemory:
-    """Allocations of a segment in execution order; a value is freed after the last use of it or of
-    any view of it (a view allocates nothing)."""
-    nodes = list(submod.graph.nodes)
-    root: dict[torch.fx.Node, torch.fx.Node] = {}  # view -> the node that owns its memory
-    owned: dict[torch.fx.Node, _Size] = {}
-    for n in nodes:
-        value = example_value(n)
-        if n.op not in ("call_function", "call_method", "call_module") or not isinstance(value, torch.Tensor):
-            continue
-        if value._is_view():
-            src = next((a for a in n.all_input_nodes if a in owned or a in root), None)
-            if src is not None:
-                root[n] = root.get(src, src)
-        else:
-            owned[n] = _Size(value, token_symbol)
-    (out_node,) = [n for n in nodes if n.op == "output"]
-    returned = {root.get(n, n) for n in out_node.all_input_nodes}
-    last_use: dict[torch.fx.Node, int] = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last_use[root.get(a, a)] = i
-    events: list[tuple[int, _Size]] = []
-    for i, n in enumerate(nodes):
-        if n in owned:
-            events.append((1, owned[n]))
-        for a in {root.get(a, a) for a in n.all_input_nodes}:
-            if last_use[a] == i and a in owned and a not in returned:
-                events.append((-1, owned[a]))
-    return _SegmentMemory(outputs=[owned[n] for n in returned if n in owned], events=events)
-
-
 class _StageInfo:
     """What the report needs beyond what the runtime keeps; segment memory is worked out on first use."""
 
@@ -118,13 +45,13 @@ class _StageInfo:
         self._split: torch.fx.GraphModule | None = split
         self._graph_segments = [st.segment.name for st in runtime.program.steps if st.segment.is_graph]
         self._token_symbol = runtime.token_symbol
-        self._memory: dict[str, _SegmentMemory] | None = None
+        self._memory: dict[str, SegmentMemory] | None = None
 
     @property
-    def memory(self) -> dict[str, _SegmentMemory]:
+    def memory(self) -> dict[str, SegmentMemory]:
         if self._memory is None:
             assert self._split is not None
-            self._memory = {name: _segment_memory(_submodule(self._split, name), self._token_symbol)
+            self._memory = {name: segment_memory(_submodule(self._split, name), self._token_symbol)
                             for name in self._graph_segments}
             self._split = None
         return self._memory
@@ -302,35 +229,12 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageI
     return out
 
 
-def _memory(runtime: StageRuntime, buffers: list[dict[str, Any]], info: _StageInfo | None,
-            records: list[Any]) -> dict[str, Any]:
-    static = sum(b["bytes"] for b in buffers)
-    mems = list(info.memory.values()) if info is not None and runtime.eager_reason is None else []
-    per_bucket = [sum(m.output_bytes(b) for m in mems) for b in runtime.plan.sizes]
-    executor = EXECUTORS.get(runtime.graph_mode)  # its buckets may share graph output memory
-    shared = executor is not None and executor.shares_outputs
-    outputs = max(per_bucket, default=0) if shared else sum(per_bucket)
-    transient = max((m.transient_bytes(runtime.plan.cap) for m in mems), default=0)
-    done = [r for r in records if r.failed is None]
-    measured = [r.measured_bytes for r in done if r.measured_bytes is not None]
-    return {
-        "static_buffer_bytes": static,
-        "graph_output_bytes": outputs,
-        "transient_bytes": transient,
-        "estimated_graph_bytes": static + outputs + transient if mems else None,
-        "captured_output_bytes": sum(r.output_bytes for r in done) if done else None,
-        "measured_graph_bytes": sum(measured) if measured else None,
-        "note": "estimate per captured instance: static buffers at the cap + graph outputs (the buckets "
-                "share one pool: the largest bucket's) + the largest segment's peak intermediates at the "
-                "cap; measured: CUDA caching-allocator growth over capture (GPU only)",
-    }
-
-
 def build_report(runtime: StageRuntime) -> dict[str, Any]:
     """The stage report of ``runtime`` as a JSON-ready dict (captures so far included)."""
     info = _STAGES.get(runtime)
     records = capture_records(runtime)
     buffers, names = _buffers(runtime)
+    memory = info.memory if info is not None and runtime.eager_reason is None else {}
     from ppcompile import __version__
 
     return {
@@ -354,7 +258,7 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
             "runs": [dataclasses.asdict(r) for r in records],
             "captured": bool(records),
         },
-        "memory": _memory(runtime, buffers, info, records),
+        "memory": memory_section(runtime, buffers, memory, records),
         "pass_times_ms": {k: round(1e3 * v, 3) for k, v in (info.pass_times if info else {}).items()},
         "compile_times_s": {k: round(v, 4) for k, v in getattr(runtime, "compile_times", {}).items()},
         "segment_compiles": [dataclasses.asdict(r) for r in getattr(runtime, "segment_compiles", [])
