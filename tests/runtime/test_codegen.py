@@ -338,7 +338,7 @@ def test_with_the_check_a_column_major_bridge_reader_runs_eagerly_and_right() ->
     m = ColumnMajorReader()
     c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
     with torch.no_grad():
-        with pytest.raises(RuntimeError, match="compiled for .*strides"):
+        with pytest.raises(RuntimeError, match=r"compiled for .*strides"):
             c(*_inputs(5))
         with ppcompile.counters.expect(replays=0, eager_runs=2):
             for i, n in enumerate([5, 9]):
