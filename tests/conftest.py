@@ -18,6 +18,26 @@ def _reset_counters() -> Iterator[None]:
     ppcompile.counters.reset()
 
 
+@pytest.fixture(autouse=True)
+def _restore_dynamo_config() -> Iterator[None]:
+    """Every test ends with ``torch._dynamo.config`` as it began: one test's settings never reach the next.
+
+    One such leak is torch's own: on torch 2.11 a stage compiled with ``dynamic=True`` sets
+    ``assume_static_by_default=False`` in the process-wide config when a call enters and puts back the
+    value it saw when the call returns, without a lock. Two threads calling such stages at once
+    (``tests/reliability/test_threads.py``) can leave it False for the rest of the process, and every later
+    compile then passes each float module attribute (an RMSNorm ``eps``) as a graph input. torch 2.13 keeps
+    these settings per thread (pytorch/pytorch#118387).
+    """
+    config = torch._dynamo.config
+    before = config.get_config_copy()
+    yield
+    after = config.get_config_copy()
+    for name, value in before.items():
+        if after[name] != value:
+            setattr(config, name, value)
+
+
 @pytest.fixture
 def fresh_dynamo() -> Iterator[None]:
     """Dynamo's caches empty before and after the test: compiles of one test never leak into another."""
