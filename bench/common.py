@@ -99,6 +99,9 @@ PATHS: dict[str, PathSpec] = {
                  {"graph_mode": "eager", "segment_compiler": "eager"}),
         PathSpec("ppb-inductor", "pp_breakable (graphs, inductor segments)", "pp_breakable",
                  {"segment_compiler": "inductor"}, graphs=True),
+        PathSpec("ppb-torch-copies", "pp_breakable (graphs, eager segments, per-tensor copies)",
+                 "pp_breakable", {"segment_compiler": "eager", "copy_kernel": "torch"}, cuda_only=True,
+                 graphs=True),
         PathSpec("torch-ro", "torch.compile reduce-overhead (partitioned)", "reduce-overhead",
                  cuda_only=True),
     )
@@ -438,7 +441,8 @@ SUITES: dict[str, Suite] = {
                  overhead_iters=500),
     # One H200: a small-model stage (8 of 32 layers, hidden 1024, bf16) at the seed's own caps.
     "cuda": Suite(StageSpec(layers=32, hidden=1024, dtype="bfloat16", device="cuda"), scale=1,
-                  forwards=8, repeats=5, paths="eager,ppb,ppb-inductor,torch-ro", profile_forwards=10,
+                  forwards=8, repeats=5, paths="eager,ppb,ppb-torch-copies,ppb-inductor,torch-ro",
+                  profile_forwards=10,
                   overhead_iters=200),
     # Tiny sizes for the smoke test and the GPU script's dry run: every code path, seconds.
     "smoke": Suite(StageSpec(preset="tiny", layers=2, pp_size=2, pp_rank=1, device="cpu"), scale=256,
