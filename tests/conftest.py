@@ -27,7 +27,7 @@ def _restore_dynamo_config() -> Iterator[None]:
     value it saw when the call returns, without a lock. Two threads calling such stages at once
     (``tests/reliability/test_threads.py``) can leave it False for the rest of the process, and every later
     compile then passes each float module attribute (an RMSNorm ``eps``) as a graph input. torch 2.13 keeps
-    these settings per thread (pytorch/pytorch#118387).
+    these settings per thread (the race: pytorch/pytorch#118260).
     """
     config = torch._dynamo.config
     before = config.get_config_copy()
