@@ -321,14 +321,9 @@ def written_input(node: torch.fx.Node) -> torch.fx.Node | None:
     in_place = (node.op == "call_method" and name.endswith("_") and not name.endswith("__")) or (
         node.op == "call_function" and name in _IN_PLACE_FUNCTIONS
     )
-    if not in_place or not node.args or not isinstance(node.args[0], torch.fx.Node):
+    if not in_place or not node.args:
         return None
-    base = node.args[0]
-    while base.op in ("call_function", "call_method") and op_name(base) in VIEW_OPS and base.args:
-        if not isinstance(base.args[0], torch.fx.Node):
-            return None
-        base = base.args[0]
-    return base if base.op == "placeholder" else None
+    return _base_input(node.args[0])
 
 
 def _base_input(value: Any) -> torch.fx.Node | None:
