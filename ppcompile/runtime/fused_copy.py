@@ -49,6 +49,7 @@ from ppcompile.runtime.fused_copy_base import (
     check_sources,
 )
 from ppcompile.runtime.fused_copy_triton import TritonRowCopier
+from ppcompile.runtime.static_buffers import non_overlapping
 
 __all__ = ["INT_TYPES", "KERNELS", "CopyMismatchError", "RowCopier", "TorchRowCopier", "TritonRowCopier",
            "check_sources", "make_row_copier"]
@@ -123,19 +124,8 @@ def _triton_unsupported(buffers: Sequence[Buffer]) -> tuple[str | None, bool]:
         if b.dtype.itemsize not in INT_TYPES:
             why = f"buffer {b.index}: {b.dtype} has {b.dtype.itemsize}-byte elements (supported: 1, 2, 4, 8)"
             return why, interpret
-        if _overlaps_itself(b.shape, b.dst.stride()):
+        if not non_overlapping(b.shape, b.dst.stride()):
             return (f"buffer {b.index} (shape {list(b.shape)}, strides {list(b.dst.stride())}) has elements "
                     "sharing memory or an unordered layout"), interpret
     return None, interpret
 
-
-def _overlaps_itself(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether a layout may map two elements to one address: dims of size > 1, outermost first, must
-    each step over everything inside them (a permuted layout with or without gaps passes)."""
-    dims = sorted((st, size) for size, st in zip(shape, strides) if size > 1)
-    span = 1
-    for st, size in dims:
-        if st < span:
-            return True
-        span = st * size
-    return False

@@ -10,7 +10,7 @@ import torch
 from ppcompile.records import StaticBuffer
 from ppcompile.symbolic import SizeFn
 
-__all__ = ["allocate", "copy_in", "copy_rows", "narrow_to"]
+__all__ = ["allocate", "copy_in", "copy_rows", "narrow_to", "non_overlapping"]
 
 TokenDims = tuple[tuple[int, SizeFn], ...]
 Env = Mapping[sympy.Symbol, int]
@@ -38,7 +38,7 @@ def allocate(spec: StaticBuffer, strides: Sequence[int] | None = None, exact: bo
     with torch.no_grad():
         if strides is None or len(strides) != len(shape):
             return torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        if exact and _non_overlapping(shape, strides):
+        if exact and non_overlapping(shape, strides):
             buf = torch.empty_strided(shape, tuple(strides), dtype=spec.dtype, device=spec.device)
             return buf.zero_()
         order = sorted(range(len(shape)), key=lambda d: -strides[d])  # outermost first; stable on ties
@@ -46,7 +46,7 @@ def allocate(spec: StaticBuffer, strides: Sequence[int] | None = None, exact: bo
         return physical.permute([order.index(d) for d in range(len(shape))])
 
 
-def _non_overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
+def non_overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """Whether no two elements of a ``shape`` tensor with ``strides`` share an address (each dim's
     stride clears the extent of the dims inside it)."""
     extent = 1
