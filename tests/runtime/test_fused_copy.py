@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -28,15 +28,6 @@ Call = tuple[Sequence[torch.Tensor], Sequence[int], Sequence[int]]
 DTYPES = [torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.complex64]
-
-
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Triton's interpreter on, kernel sources in a temporary cache dir."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PPCOMPILE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ppcompile-cache"))
-    yield
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ stage is tiny and streams are short.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,15 +21,6 @@ import ppcompile
 H = 8
 SIZES = [4, 8, 16]
 mixer = register_mixer("pptest_fused_rt::mixer", lambda x: None)
-
-
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Triton's interpreter on, kernel sources in a temporary cache dir."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PPCOMPILE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ppcompile-cache"))
-    yield
 
 
 def _compile(m: torch.nn.Module, **options: Any) -> Any:
