@@ -85,7 +85,7 @@ SEGMENT_INDUCTOR_DEFAULTS: Mapping[str, Any] = {"size_asserts": False}
 """Inductor settings of every segment compile unless ``inductor_config`` sets them. ``size_asserts``:
 Inductor checks the size and stride of every input per call (about 0.5 us each, ~10 per decoder
 segment). A segment's inputs are Dynamo-guarded stage inputs and parameters, outputs of other compiled
-segments (laid out as traced), static buffers (in the traced dim order, checked per bucket at capture)
+segments (laid out as traced), static buffers (in the traced layout, checked per bucket at capture)
 or break outputs, which the runtime checks itself (``runtime/layout_checks.py``), once per output rather
 than once per reading segment."""
 

@@ -48,7 +48,7 @@ The function holds the program's callables, never the runtime (no reference cycl
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -209,12 +209,14 @@ def copy_functions() -> dict[str, Callable[..., None]]:
     return {"copy_rows": rows, "copy_in": into, "bridge_rows": rows, "bridge_in": into}
 
 
-def copy_points(program: Program) -> tuple[tuple[int, ...], ...]:
+def copy_points(program: Program, apart: Collection[int] = ()) -> tuple[tuple[int, ...], ...]:
     """The slots each fused copier fills, by copy point: the live inputs first, then the bridges of
-    each break that has some, in step order. Values with several token dims are copied by ``copy_in``
-    apart (a copier narrows one dim), so a point may be empty."""
+    each break that has some, in step order. A copier binds one layout per buffer
+    and narrows one dim, so values with several token dims and the slots ``apart`` (buffers viewed per
+    bucket with their own strides, ``layout_checks.token_strided``) are copied by torch ops; a point
+    may be empty."""
     def single(slots: Iterable[int]) -> tuple[int, ...]:
-        return tuple(s for s in slots if len(program.token_dims.get(s, ())) <= 1)
+        return tuple(s for s in slots if len(program.token_dims.get(s, ())) <= 1 and s not in apart)
 
     bridged = [single(st.bridges) for st in program.steps if not st.segment.is_graph and st.bridges]
     return (single(program.input_buffers), *bridged)
@@ -222,7 +224,7 @@ def copy_points(program: Program) -> tuple[tuple[int, ...], ...]:
 
 def graph_forward_source(
     program: Program, binds_inputs: bool, pass_args: bool, copies: CopyFunctions | None = None,
-    fused: bool = False,
+    fused: bool = False, apart: Collection[int] = (),
 ) -> tuple[str, dict[str, Any]]:
     """The generated source of ``program``'s graph path for one bucket and the globals it reads.
 
@@ -234,7 +236,8 @@ def graph_forward_source(
     size, run breaks on live tensors and copy what graphs read into static bridges. ``copies``: the
     functions that copy inputs and bridges (default :func:`copy_functions`; a profiler wraps them).
     ``fused``: each copy point is one call of its copier (``copiers[k]``, :func:`copy_points`), e.g.
-    ``copiers[0]((v0, v1), (n0, n0), (b0, b0))``, instead of a copy and a zeroing per tensor.
+    ``copiers[0]((v0, v1), (n0, n0), (b0, b0))``, instead of a copy and a zeroing per tensor; the
+    slots ``apart`` are never fused (:func:`copy_points`).
     """
     names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, **(copies or copy_functions())}
     live, bucket = _Sizes("n", "env_n", names), _Sizes("b", "env_b", names)
@@ -271,9 +274,9 @@ def graph_forward_source(
             names[f"dims_{slot}"] = dims
             body.append(f"v{slot} = narrow_to(static[{slot}], dims_{slot}, env_n)")
 
-    points, next_point = copy_points(program), iter(range(len(program.steps) + 1))
+    points, next_point = copy_points(program, apart), iter(range(len(program.steps) + 1))
 
-    def fill_point(slots: Iterable[int], buffers: str, kind: str) -> None:
+    def fill_point(slots: Iterable[int], kind: str) -> None:
         """Fills the static buffers of ``slots``: one copier call (``fused``), or each on its own."""
         k = next(next_point)
         fused_slots = points[k] if fused else ()
@@ -289,9 +292,9 @@ def graph_forward_source(
             body.append(f"copiers[{k}](({srcs},), ({ns},), ({bs},))")
         for slot in slots:
             if slot not in fused_slots:
-                fill(f"{buffers}[{slot}]", f"v{slot}", slot, kind)
+                fill(f"static[{slot}]", f"v{slot}", slot, kind)
 
-    fill_point(program.input_buffers, "inputs", "copy")
+    fill_point(program.input_buffers, "copy")
     for step in program.steps:
         body.append(f"step = {step.index}")
         if step.segment.is_graph:
@@ -312,9 +315,9 @@ def graph_forward_source(
             args = ", ".join(live(r.size) if r.size is not None else f"v{r.slot}" for r in step.args)
             body.append(_call_segment(step, args, names))
             if step.bridges:
-                fill_point(step.bridges, "bridges", "bridge")
+                fill_point(step.bridges, "bridge")
     outputs = _outputs(program, live, names)
-    header = "def graph_forward(args, static, env_n, env_b, replay, n, b, inputs, bridges, copiers):"
+    header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers):"
     source = _function(header,
                        program.num_inputs, live.prologue() + bucket.prologue(), body, "raised(e, step, n, b)",
                        outputs)
@@ -329,12 +332,13 @@ def _annotate_graph_path(stage: str, segments: Sequence[str], e: BaseException, 
 
 
 def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_args: bool,
-                       copies: CopyFunctions | None = None, fused: bool = False) -> GraphForward:
+                       copies: CopyFunctions | None = None, fused: bool = False,
+                       apart: Collection[int] = ()) -> GraphForward:
     """Compiles ``program``'s graph path (:func:`graph_forward_source`): called as
-    ``fn(args, static, env_n, env_b, executor.replay, n, b, input_buffers, bridge_buffers, copiers)``
+    ``fn(args, static, env_n, env_b, executor.replay, n, b, copiers)``
     (``copiers``: one per :func:`copy_points` entry when ``fused``, else unused), it returns the stage's
     outputs at the live size (views into static memory)."""
-    source, names = graph_forward_source(program, binds_inputs, pass_args, copies, fused)
+    source, names = graph_forward_source(program, binds_inputs, pass_args, copies, fused, apart)
     segments = tuple(st.segment.name for st in program.steps)
     fn: GraphForward = _exec("graph_forward", stage, source, names,
                              functools.partial(_annotate_graph_path, stage, segments))

@@ -3,7 +3,7 @@
 Graphs read parameters and buffers in place and bake constant scalars, so they belong to the module
 instance they were captured with: a ``StageRuntime`` keeps one ``StageInstance`` per set of module-state
 tensors. An instance owns the static input buffers and bridges (allocated at the largest bucket, in the
-traced dim order), the executor with its captured (segment, bucket) graphs, and a slot table per captured
+traced layout), the executor with its captured (segment, bucket) graphs, and a slot table per captured
 bucket (what each graph reads and writes at that bucket). The runtime decides when to capture and which
 bucket serves a call; the instance captures and holds.
 """
@@ -28,7 +28,7 @@ from ppcompile.runtime.layout_checks import check_static_layout
 from ppcompile.runtime.observer import CaptureObserver
 from ppcompile.runtime.program import TensorLayout
 from ppcompile.runtime.stale_outputs import OutputTracker
-from ppcompile.runtime.static_buffers import allocate, narrow_to
+from ppcompile.runtime.static_buffers import allocate, bucket_view
 
 __all__ = ["StageInstance"]
 
@@ -40,10 +40,12 @@ class StageInstance:
     ``captured_buckets``, ``input_buffers``, ``bridge_buffers``, ``static_tensors()``, ``failed``)."""
 
     def __init__(self, compiled: CompiledStage, args: Sequence[Any], env_max: dict[sympy.Symbol, int],
-                 static_layouts: StaticLayouts, debug: bool, copy_kernel: str = "torch") -> None:
+                 static_layouts: StaticLayouts, debug: bool, copy_kernel: str = "torch",
+                 token_strided: frozenset[int] = frozenset()) -> None:
         program = compiled.program
         self._compiled = compiled
         self._static_layouts = static_layouts
+        self._token_strided = token_strided  # buffers viewed per bucket with that bucket's strides
         self.executor: GraphExecutor = make_executor(compiled.graph_mode, debug)
         # Strong references: the graphs read them (and bake scalars).
         self.module_state = tuple(args[i] for i in (*compiled.state_slots, *compiled.scalar_slots))
@@ -107,23 +109,27 @@ class StageInstance:
         copiers = tuple(
             make_row_copier([buffers[s] for s in slots], [token_dim(s) for s in slots], kernel=copy_kernel)
             if slots else None
-            for slots in copy_points(program))
+            for slots in copy_points(program, self._token_strided))
         if not any(c is not None and c.kernel == "triton" for c in copiers):
             return None  # "auto" chose torch everywhere: the plain generated code is faster
         return copiers
 
     # ----------------------------------------------------------------------------------- capture
     def _allocate(self, slot: int, spec: Any, env_max: dict[sympy.Symbol, int]) -> torch.Tensor:
-        """The static buffer of ``slot`` in the layout its graph segments were compiled for: the traced
-        strides when they hold at every bucket, else the traced dim order (``static_buffers.allocate``)."""
+        """The static buffer of ``slot`` in the layout its graph segments were compiled for, at the
+        largest bucket (``static_buffers.allocate``)."""
         described = self._static_layouts.get(slot)
-        if described is None:
-            return allocate(spec)
-        layout = described[1]
-        traced = layout.at(env_max)
-        token = self._compiled.token_symbol
-        exact = all(token not in f.expr.free_symbols for f in layout.strides)
-        return allocate(spec, traced[1] if traced is not None else None, exact=exact)
+        traced = None if described is None else described[1].at(env_max)
+        return allocate(spec, None if traced is None else traced[1])
+
+    def _bucket_view(self, slot: int, buf: torch.Tensor, env: dict[sympy.Symbol, int]) -> torch.Tensor:
+        """What graphs read and write of ``buf`` at the bucket of ``env``: narrowed along its token dims,
+        or, for strides that follow the token count, viewed with that bucket's traced strides."""
+        dims = self._compiled.program.token_dims.get(slot, ())
+        if slot not in self._token_strided:
+            return bucket_view(buf, dims, env)
+        what, layout = self._static_layouts[slot]
+        return bucket_view(buf, dims, env, layout.at(env), what)
 
     def capture(self, runtime: Any, args: Sequence[Any], env: dict[sympy.Symbol, int],
                 buckets: Sequence[int], observer: CaptureObserver, budget_s: float | None = None) -> None:
@@ -147,7 +153,7 @@ class StageInstance:
                     for i in (*compiled.state_slots, *compiled.scalar_slots):
                         table[i] = args[i]
                     for s, buf in (*self._input_buffers.items(), *self._bridge_buffers.items()):
-                        table[s] = narrow_to(buf, program.token_dims.get(s, ()), env)
+                        table[s] = self._bucket_view(s, buf, env)
                         if s in self._static_layouts:
                             check_static_layout(*self._static_layouts[s], table[s], env, b)
                     for st in graph_steps:

@@ -29,7 +29,7 @@ from ppcompile.runtime.program import Program, TensorLayout, strides_match
 from ppcompile.runtime.validation import GUARD_HINT, InputMismatchError
 
 __all__ = ["CheckedValue", "LayoutMismatchError", "LiveLayouts", "check_static_layout", "checked_values",
-           "static_layouts"]
+           "static_layouts", "token_strided"]
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,18 @@ def static_layouts(program: Program) -> dict[int, tuple[str, TensorLayout]]:
             if slot in buffered}
 
 
+def token_strided(
+    layouts: Mapping[int, tuple[str, TensorLayout]], token: sympy.Symbol | None
+) -> frozenset[int]:
+    """The slots of ``layouts`` (:func:`static_layouts`) whose traced strides follow the token count (a
+    column-major ``[T, H]``: strides ``[1, T]``). A narrowed view of one buffer cannot have them at
+    every bucket, so each bucket views the buffer's memory with its own strides."""
+    if token is None:
+        return frozenset()
+    return frozenset(slot for slot, (_, layout) in layouts.items()
+                     if any(token in f.expr.free_symbols for f in layout.strides))
+
+
 def check_static_layout(what: str, layout: TensorLayout, view: torch.Tensor,
                         env: Mapping[sympy.Symbol, int], bucket: int) -> None:
     """Raises ``RuntimeError`` when the bucket view of a static buffer is not laid out as the graph
@@ -166,7 +178,7 @@ def check_static_layout(what: str, layout: TensorLayout, view: torch.Tensor,
         f"pp_breakable: the static buffer of {what} at bucket {bucket} has shape {list(view.shape)}, "
         f"strides {list(view.stride())} and dtype {view.dtype}, but the graph segments reading it were "
         f"compiled for shape {list(shape)}, strides {list(stride)} and dtype {layout.dtype} (its traced "
-        "layout). A static buffer keeps the traced dim order and is narrowed along its token dims per "
-        "bucket, which cannot give these strides when a dim of size > 1 lies outside a token dim in "
-        "memory; make the value contiguous in the model (e.g. .contiguous() after the op that makes it), "
+        "layout). A static buffer takes the traced strides, unless they make elements overlap (a "
+        "broadcast value), where it is dense; make the value contiguous in the model (e.g. "
+        ".contiguous() after the op that makes it), "
         "or use graph_mode='none'")

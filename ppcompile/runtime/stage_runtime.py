@@ -42,7 +42,7 @@ from ppcompile.runtime.codegen import (
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import StageInstance
-from ppcompile.runtime.layout_checks import static_layouts
+from ppcompile.runtime.layout_checks import static_layouts, token_strided
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver
 from ppcompile.runtime.program import Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
@@ -93,9 +93,10 @@ class StageRuntime(StageInspection):
         self._input_specs = compiled.input_specs
         self._states: dict[tuple[Any, ...], StageInstance] = {}
         self._live_forward = make_live_forward(self.program, self.name, compiled.live_checks)
-        # Compiled segments read static buffers with the strides they were compiled for: buffers keep the
-        # traced dim order, checked per bucket at capture. Eager segments read any layout.
+        # Compiled segments read static buffers with the strides they were compiled for: buffers take the
+        # traced strides, checked per bucket at capture. Eager segments read any layout.
         self._static_layouts = static_layouts(self.program) if compiled.traced_strides else {}
+        self._token_strided = token_strided(self._static_layouts, self.token_symbol)
         # By (binds inputs, pass args, fused copies).
         self._graph_forwards: dict[tuple[bool, bool, bool], GraphForward] = {}
         self._instrumented: dict[int, tuple[Any, ...]] = {}  # instrumented(): per hook, its program and code
@@ -229,10 +230,10 @@ class StageRuntime(StageInspection):
         key = (executor.binds_inputs, pass_args, copiers is not None)
         forward = self._graph_forwards.get(key)
         if forward is None:
-            forward = make_graph_forward(program, self.name, *key[:2], self._copies, fused=key[2])
+            forward = make_graph_forward(program, self.name, *key[:2], self._copies, fused=key[2],
+                                         apart=self._token_strided)
             self._graph_forwards[key] = forward
-        outputs = forward(args, static, env_n, env_b, executor.replay, n, b, state.input_buffers,
-                          state.bridge_buffers, copiers)
+        outputs = forward(args, static, env_n, env_b, executor.replay, n, b, copiers)
         counters.replays += 1
         counters.replays_by_bucket[b] += 1
         if not self._own_outputs:
@@ -317,7 +318,7 @@ class StageRuntime(StageInspection):
         env = self._env(args, self.num_tokens(args))
         env_max = {**env, self.token_symbol: max(self.plan.sizes)}
         state = StageInstance(self.compiled, args, env_max, self._static_layouts, self.config.debug,
-                              self.config.copy_kernel)
+                              self.config.copy_kernel, self._token_strided)
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
         if self.config.capture == "all":
             try:

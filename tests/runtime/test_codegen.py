@@ -16,6 +16,7 @@ from ppcompile.records import Segment
 from ppcompile.runtime.codegen import graph_forward_source, make_graph_forward, make_live_forward
 from ppcompile.runtime.layout_checks import LayoutMismatchError, checked_values
 from ppcompile.runtime.program import Program, Ref, Step, TensorLayout
+from ppcompile.runtime.static_buffers import narrow_to
 from ppcompile.runtime.validation import InputMismatchError
 from ppcompile.symbolic import SizeFn
 
@@ -240,7 +241,7 @@ def test_graph_path_source_replays_each_graph_segment_once_in_order(
     assert (source.count(", b), ())") == len(graph_steps)) == (not pass_args)
     # Outputs of non-binding replays land in the call's table; bound ones stay where they were captured.
     assert ("] = o[" in source) == (not binds_inputs)
-    assert source.count("copy_rows(inputs[") == len(program.input_buffers)
+    assert source.count("copy_rows(static[") == len(program.input_buffers)
 
 
 def _ident(*args: Any) -> Any:
@@ -275,7 +276,7 @@ def test_a_program_without_steps_returns_its_inputs_and_constants() -> None:
     x = torch.ones(2)
     assert make_live_forward(program)((x,), {}) == (x, 3)
     graph_forward = make_graph_forward(program, "stage", True, False)
-    assert graph_forward((x,), [], {}, {}, None, 2, 2, {}, {}, None) == (x, 3)
+    assert graph_forward((x,), [], {}, {}, None, 2, 2, None) == (x, 3)
 
 
 def test_a_static_buffer_keeps_the_traced_layout_of_what_it_holds() -> None:
@@ -291,19 +292,21 @@ def test_a_static_buffer_keeps_the_traced_layout_of_what_it_holds() -> None:
     assert bridge.shape == (2, 16, 8) and bridge.stride() == (8, 16, 1)
 
 
-def test_a_layout_static_buffers_cannot_hold_fails_capture_clearly_then_runs_eagerly() -> None:
-    """Column-major [T, H]: a bucket's view of a column-major buffer has the largest bucket's column
-    stride, not its own, so no buffer can serve every bucket; capture says so (graphs stay off)."""
+def test_a_column_major_bridge_is_viewed_with_each_buckets_strides_and_graphs_serve() -> None:
+    """Column-major [T, H] (strides [1, T]): a narrowed view of one buffer would keep the largest
+    bucket's column stride; each bucket views the buffer's memory with its own, so graphs serve every
+    bucket and match eager."""
     m = MixerStage(torch.ops.pptest_live.honest_column_major, H)
     c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
-    with torch.no_grad():
-        with pytest.raises(RuntimeError, match=r"static buffer of the output 0 of break segment submod_\d "
-                                               r"at bucket 8 .*strides \[1, 16\].*compiled for .*strides "
-                                               r"\[1, 8\].*make the value contiguous"):
-            c(*_inputs(5))
-        with ppcompile.counters.expect(replays=0, eager_runs=2):
-            for i, n in enumerate([5, 9]):
-                _check(c, m, *_inputs(n, seed=i))
+    with torch.no_grad(), ppcompile.counters.expect(replays=3, eager_runs=1):
+        for i, n in enumerate([5, 8, 9, 17]):  # a bucket, exactly a bucket, a bucket + 1, above the cap
+            _check(c, m, *_inputs(n, seed=i))
+    (state,) = _runtime().instances()
+    (bridge,) = state.bridge_buffers.values()
+    width = bridge.shape[1]
+    assert bridge.shape == (16, width) and bridge.stride() == (1, 16)
+    views = {(tuple(t.shape), t.stride()) for t in state.static_tensors()}
+    assert ((8, width), (1, 8)) in views and ((16, width), (1, 16)) in views  # what graphs read per bucket
 
 
 class ColumnMajorReader(torch.nn.Module):
@@ -320,11 +323,20 @@ class ColumnMajorReader(torch.nn.Module):
         return out, out + residual
 
 
-def test_without_the_capture_layout_check_a_column_major_bridge_gives_wrong_answers(
+def _narrowed_bucket_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bucket views narrowed from the largest bucket's buffer, as before buffers whose strides follow the
+    token count were viewed per bucket."""
+    monkeypatch.setattr("ppcompile.runtime.instance.bucket_view",
+                        lambda buf, dims, env, *_: narrow_to(buf, dims, env))
+
+
+def test_with_narrowed_bucket_views_and_no_layout_check_a_column_major_reader_is_wrong(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What the check above prevents: the fused reader was compiled for the bucket's column stride, the
-    bridge's bucket view has the largest bucket's, so the replay reads the wrong elements."""
+    """What per-bucket views and the capture check prevent: the fused reader was compiled for the
+    bucket's column stride, a narrowed view has the largest bucket's, so the replay reads the wrong
+    elements."""
+    _narrowed_bucket_views(monkeypatch)
     monkeypatch.setattr("ppcompile.runtime.instance.check_static_layout", lambda *args: None)
     m = ColumnMajorReader()
     c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
@@ -334,15 +346,30 @@ def test_without_the_capture_layout_check_a_column_major_bridge_gives_wrong_answ
     assert not torch.allclose(got, want, atol=1e-3)
 
 
-def test_with_the_check_a_column_major_bridge_reader_runs_eagerly_and_right() -> None:
+def test_the_layout_check_catches_a_bucket_view_without_the_compiled_strides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With narrowed views the capture check fails clearly, naming the value and both layouts, and the
+    stage then runs eagerly and right."""
+    _narrowed_bucket_views(monkeypatch)
     m = ColumnMajorReader()
     c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
     with torch.no_grad():
-        with pytest.raises(RuntimeError, match=r"compiled for .*strides"):
+        with pytest.raises(RuntimeError, match=r"static buffer of the output 0 of break segment submod_\d "
+                                               r"at bucket 8 .*strides \[1, 16\].*compiled for .*strides "
+                                               r"\[1, 8\]"):
             c(*_inputs(5))
         with ppcompile.counters.expect(replays=0, eager_runs=2):
             for i, n in enumerate([5, 9]):
                 _check(c, m, *_inputs(n, seed=i))
+
+
+def test_a_fused_column_major_reader_replays_right_at_every_bucket() -> None:
+    m = ColumnMajorReader()
+    c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
+    with torch.no_grad(), ppcompile.counters.expect(replays=4, eager_runs=1):
+        for i, n in enumerate([5, 8, 9, 16, 17]):
+            _check(c, m, *_inputs(n, seed=i))
 
 
 class TokenInnerStage(torch.nn.Module):

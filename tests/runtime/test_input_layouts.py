@@ -88,3 +88,41 @@ def test_contiguous_calls_after_a_strided_first_call_copy_into_the_traced_layout
                 for got, want in zip(c(*inputs), m(*inputs)):
                     torch.testing.assert_close(got, want)
     assert ppcompile.counters.replays == 4
+
+
+def _column_major(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, hidden states and residual whose token dim is the inner one in memory (strides
+    ``[1, T]``): their traced strides follow the token count."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 32, (n,), generator=g)
+    x, residual = (torch.randn(H, n, generator=g).t() for _ in range(2))
+    assert x.stride() == (1, n)
+    ppcompile.mark_token_dynamic(ids, x, residual)
+    return ids, x, residual
+
+
+@pytest.mark.parametrize("copy_kernel", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["emulate", "eager"])
+def test_column_major_inputs_get_each_buckets_strides_and_graphs_serve(
+    mode: str, copy_kernel: str, request: pytest.FixtureRequest
+) -> None:
+    """Inductor segments compiled for strides ``[1, s0]`` read, at bucket b, a view with strides
+    ``[1, b]`` of the buffer made for the largest bucket; a fused copier leaves those buffers to torch
+    ops (it binds one layout) and copies the rest."""
+    if copy_kernel == "triton":
+        request.getfixturevalue("interpret")
+    m = ReceivedStage(torch.float32)
+    options = {"graph_mode": mode, "segment_compiler": "inductor", "capture_sizes": [4, 8],
+               "copy_kernel": copy_kernel}
+    c = torch.compile(m, backend="pp_breakable", options=options)
+    with torch.no_grad(), ppcompile.counters.expect(replays=4):
+        for i, n in enumerate([1, 8, 5, 9, 4, 7]):
+            inputs = _column_major(n, seed=i)
+            for got, want in zip(c(*inputs), m(*inputs)):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    (runtime,) = [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None]
+    (state,) = runtime.instances()
+    assert sorted(buf.stride() for buf in state.input_buffers.values()) == [(1,), (1, 8), (1, 8)]
+    views = {t.stride() for t in state.static_tensors() if t.dim() == 2 and t.shape[0] == 4}
+    assert (1, 4) in views
+    assert state.copy_kernel == copy_kernel

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import sympy
 import torch
 
 from ppcompile.records import StaticBuffer
-from ppcompile.runtime.static_buffers import allocate, copy_in, narrow_to
+from ppcompile.runtime.static_buffers import allocate, bucket_view, copy_in, narrow_to
 from ppcompile.symbolic import SizeFn
 
 S = sympy.Symbol("s0", integer=True, positive=True)
@@ -122,12 +125,35 @@ def test_allocate_keeps_the_traced_dim_order_so_bucket_views_keep_the_traced_str
     assert row_major.stride() == (64, 4, 1)
 
 
-def test_allocate_exact_keeps_strides_with_gaps_and_refuses_overlap() -> None:
-    """Hidden states sliced from a [T, 2H] receive buffer have strides (2H, 1): an exact buffer keeps
-    them at every bucket. Stride-0 dims (a broadcast input) would make rows share memory: dense instead."""
-    buf = allocate(_spec((16, 4)), strides=(8, 1), exact=True)
+def test_allocate_keeps_strides_with_gaps_and_refuses_overlap() -> None:
+    """Hidden states sliced from a [T, 2H] receive buffer have strides (2H, 1): the buffer keeps them at
+    every bucket. Stride-0 dims (a broadcast input) would make rows share memory: dense instead."""
+    buf = allocate(_spec((16, 4)), strides=(8, 1))
     assert buf.stride() == (8, 1) and not buf.any()
     assert narrow_to(buf, ((0, TOKENS),), _env(8)).stride() == (8, 1)
-    broadcast = allocate(_spec((16, 4)), strides=(0, 1), exact=True)
-    assert 0 not in broadcast.stride()
-    assert allocate(_spec((16, 4)), strides=(8, 1)).stride() == (4, 1)  # not exact: dense, traced order
+    broadcast = allocate(_spec((16, 4)), strides=(0, 1))
+    assert 0 not in broadcast.stride() and broadcast.shape == (16, 4)
+
+
+def test_bucket_view_gives_each_bucket_its_own_strides_when_they_follow_the_token_count() -> None:
+    """A column-major [T, 4] (strides (1, T)): narrowing the largest bucket's buffer would keep stride 16
+    at every bucket; the bucket view has the bucket's own (1, 8), in the same memory, and rows written
+    through it are what a column-major [8, 4] holds."""
+    buf = allocate(_spec((16, 4)), strides=(1, 16))
+    view = bucket_view(buf, ((0, TOKENS),), _env(8), ((8, 4), (1, 8)), "x")
+    assert view.stride() == (1, 8) and view.data_ptr() == buf.data_ptr()
+    value = torch.arange(32.0).view(8, 4)
+    view.copy_(value)
+    assert torch.equal(buf.as_strided((32,), (1,)), value.t().flatten())  # column-major [8, 4] in memory
+    assert bucket_view(buf, ((0, TOKENS),), _env(8)).stride() == (1, 16)  # narrowed: the largest's
+
+
+@pytest.mark.parametrize(("layout", "problem"), [
+    (((16, 8), (1, 16)), "needs more memory"),  # 128 elements in a buffer of 64
+    (((4, 4), (1, 1)), "overlaps itself"),
+])
+def test_bucket_view_refuses_a_layout_the_buffer_cannot_hold(layout: Any, problem: str) -> None:
+    buf = allocate(_spec((16, 4)), strides=(1, 16))
+    with pytest.raises(RuntimeError, match=rf"static buffer of input 'x' cannot be viewed as shape "
+                                           rf"\[{layout[0][0]}, {layout[0][1]}\].*{problem}"):
+        bucket_view(buf, ((0, TOKENS),), _env(8), layout, "input 'x'")
