@@ -82,7 +82,7 @@ function showSegment(i) {
   const codes = xs => xs.map(x => '<code>' + esc(x) + '</code>').join(' ');
   if (s.reads_static.length) h += '<div>Reads static buffers: ' + codes(s.reads_static) + '</div>';
   if (s.writes_static.length)
-    h += '<div>Writes static bridges (copied): ' + codes(s.writes_static) + '</div>';
+    h += '<div>Writes static buffers (copied): ' + codes(s.writes_static) + '</div>';
   if ((s.writes_in_place || []).length)
     h += '<div>Writes in place (no bridge): ' + codes(s.writes_in_place) + '</div>';
   if (s.output_bytes_at_cap != null) h += '<div class="muted">At the cap: outputs ' +
@@ -141,7 +141,7 @@ def _tooltip(seg: dict[str, Any]) -> str:
     if seg["reads_static"]:
         lines.append("reads static: " + ", ".join(seg["reads_static"]))
     if seg["writes_static"]:
-        lines.append("writes bridges (copied): " + ", ".join(seg["writes_static"]))
+        lines.append("writes static buffers (copied): " + ", ".join(seg["writes_static"]))
     if seg.get("writes_in_place"):
         lines.append("writes in place (no bridge): " + ", ".join(seg["writes_in_place"]))
     return "\n".join(lines)

@@ -185,7 +185,7 @@ def _buffers(runtime: StageRuntime) -> tuple[list[dict[str, Any]], dict[int, str
             "bytes": buf.nbytes,
             "read_by": [st.segment.name for st in program.steps
                         if st.segment.is_graph and any(r.slot == slot for r in st.args)],
-            "written_by": [st.segment.name for st in program.steps if slot in st.bridges],
+            "written_by": [st.segment.name for st in program.steps if slot in (*st.bridges, *st.refreshes)],
         })
     return buffers, names
 
@@ -221,7 +221,7 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageI
             },
             "reads_static": [buffer_names[r.slot] for r in step.args
                              if seg.is_graph and r.slot in buffer_names],
-            "writes_static": [buffer_names[s] for s in step.bridges if s in buffer_names],
+            "writes_static": [buffer_names[s] for s in (*step.bridges, *step.refreshes) if s in buffer_names],
             "writes_in_place": [_produced_by(runtime.program, s) for s in step.in_place],
             "output_bytes_at_cap": mem.output_bytes(cap) if mem else None,
             "transient_bytes_at_cap": mem.transient_bytes(cap) if mem else None,

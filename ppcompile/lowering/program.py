@@ -55,7 +55,8 @@ def _output_layouts(out: torch.fx.Node, multi: bool) -> tuple[TensorLayout | Non
 def _written_args(submod: torch.fx.GraphModule) -> set[int]:
     """Positions of ``submod``'s inputs that its ops write in place (through views)."""
     placeholders = list(submod.graph.find_nodes(op="placeholder"))
-    written = {p for node in submod.graph.nodes if node.op == "call_function" for p in mutated_inputs(node)}
+    written = {p for node in submod.graph.nodes if node.op in ("call_function", "call_method")
+               for p in mutated_inputs(node)}
     return {i for i, p in enumerate(placeholders) if p in written}
 
 
@@ -119,6 +120,11 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
     live_reads = {a.slot for st in steps if not st.segment.is_graph for a in st.args if a.slot >= 0}
     live_reads |= {r.slot for r in outputs if isinstance(r, Ref) and r.slot >= 0}
     graph_outputs = {s for st in steps if st.segment.is_graph for s in st.out_slots if s >= 0}
+    bridge_buffers = {slots[n]: n.meta["pp_static_buffer"] for n in slots
+                      if n.op != "placeholder" and "pp_static_buffer" in n.meta}
+    input_buffers = {
+        slots[n]: n.meta["pp_static_buffer"] for n in placeholders if "pp_static_buffer" in n.meta
+    }
     finished = []
     for st in steps:
         if st.segment.is_graph:
@@ -128,15 +134,13 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
             finished.append(dataclasses.replace(st, live_views=tensors, live_values=numbers))
         else:
             bridges = tuple(s for s in st.out_slots if s in graph_reads)
-            written = _written_args(getattr(split, st.segment.name))
-            in_place = tuple(st.args[i].slot for i in sorted(written)
-                             if st.args[i].slot in graph_outputs)
-            finished.append(dataclasses.replace(st, bridges=bridges, in_place=in_place))
-    bridge_buffers = {slots[n]: n.meta["pp_static_buffer"] for n in slots
-                      if n.op != "placeholder" and "pp_static_buffer" in n.meta}
-    input_buffers = {
-        slots[n]: n.meta["pp_static_buffer"] for n in placeholders if "pp_static_buffer" in n.meta
-    }
+            written = [st.args[i].slot for i in sorted(_written_args(getattr(split, st.segment.name)))]
+            read_later = {a.slot for later in steps[st.index + 1:] if later.segment.is_graph
+                          for a in later.args}
+            finished.append(dataclasses.replace(
+                st, bridges=bridges, in_place=tuple(s for s in written if s in graph_outputs),
+                refreshes=tuple(s for s in written if s in read_later
+                                and (s in input_buffers or s in bridge_buffers))))
     return Program(
         num_slots=len(slots),
         num_inputs=len(placeholders),

@@ -210,16 +210,22 @@ def copy_functions() -> dict[str, Callable[..., None]]:
 
 
 def copy_points(program: Program, apart: Collection[int] = ()) -> tuple[tuple[int, ...], ...]:
-    """The slots each fused copier fills, by copy point: the live inputs first, then the bridges of
-    each break that has some, in step order. A copier binds one layout per buffer
+    """The slots each fused copier fills, by copy point: the live inputs first, then what each break
+    that copies any fills (:func:`copied_after`), in step order. A copier binds one layout per buffer
     and narrows one dim, so values with several token dims and the slots ``apart`` (buffers viewed per
     bucket with their own strides, ``layout_checks.token_strided``) are copied by torch ops; a point
     may be empty."""
     def single(slots: Iterable[int]) -> tuple[int, ...]:
         return tuple(s for s in slots if len(program.token_dims.get(s, ())) <= 1 and s not in apart)
 
-    bridged = [single(st.bridges) for st in program.steps if not st.segment.is_graph and st.bridges]
+    bridged = [single(copied) for copied in map(copied_after, program.steps) if copied]
     return (single(program.input_buffers), *bridged)
+
+
+def copied_after(step: Step) -> tuple[int, ...]:
+    """The static buffers a break step's copy point fills: its bridged outputs, then the static values it
+    wrote in place (``Step.refreshes``); nothing for a graph step."""
+    return () if step.segment.is_graph else (*step.bridges, *step.refreshes)
 
 
 def graph_forward_source(
@@ -314,8 +320,8 @@ def graph_forward_source(
         else:
             args = ", ".join(live(r.size) if r.size is not None else f"v{r.slot}" for r in step.args)
             body.append(_call_segment(step, args, names))
-            if step.bridges:
-                fill_point(step.bridges, "bridge")
+            if copied_after(step):
+                fill_point(copied_after(step), "bridge")
     outputs = _outputs(program, live, names)
     header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers):"
     source = _function(header,

@@ -73,6 +73,10 @@ class Step:
     # Graph outputs this break writes in place (an out-variant op's ``out``): later graphs read the
     # written static memory itself, so they need no bridge.
     in_place: tuple[int, ...] = ()
+    # Static values (lifted inputs, bridged break outputs) this break writes in place that later graphs
+    # read (an op updating ``residual`` in place): it writes the live tensor, so they are copied into
+    # their static buffers again after it.
+    refreshes: tuple[int, ...] = ()
     # (output index, slot) for the outputs someone reads.
     writes: tuple[tuple[int, int], ...] = ()
     # Per output, from the traced values: a tensor's size per dim, a number's value, or None.

@@ -1,0 +1,171 @@
+"""Break ops that write a static value in place: a lifted stage input (an op updating ``residual`` in
+place, as vLLM's ``fused_add_rms_norm`` does) or a bridged break output. On the graph path a break reads
+and writes live tensors while later graphs read static buffers, so each such value is copied into its
+buffer again after the break (``Step.refreshes``); the caller's tensor is written as in eager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from mixer_stage import mix_rows
+
+import ppcompile
+from ppcompile.debug.report import build_report
+
+H = 8
+SIZES = [4, 8, 16]
+COUNTS = [1, 3, 4, 5, 8, 9, 16, 17]  # one token, every bucket exactly and off it, above the cap
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA device")])
+
+
+@torch.library.custom_op("pptest_inplace::add_norm_", mutates_args=("x", "residual"))
+def add_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    """``residual += x``, then ``x = rms_norm(residual) * weight``: both in place. Mixes rows, so that
+    graphs cannot hold it."""
+    residual.add_(x)
+    x.copy_(mix_rows(residual) * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * weight)
+
+
+@add_norm_.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("pptest_inplace::mix", mutates_args=())
+def mix(x: torch.Tensor) -> torch.Tensor:
+    return mix_rows(x)
+
+
+@mix.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pptest_inplace::scale_by_", mutates_args=("x",))
+def scale_by_(x: torch.Tensor, by: torch.Tensor) -> None:
+    x.mul_(mix_rows(by))
+
+
+@scale_by_.register_fake
+def _(x: torch.Tensor, by: torch.Tensor) -> None:
+    return None
+
+
+SPLIT_OPS = ["pptest_inplace::add_norm_", "pptest_inplace::mix", "pptest_inplace::scale_by_"]
+
+
+class AddNormStage(torch.nn.Module):
+    """graph (up) | break (``add_norm_(h, residual)``: writes h, a graph output, and residual, a lifted
+    input) | graph (down, reads both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(H, H), torch.nn.Linear(H, H)
+        self.weight = torch.nn.Parameter(torch.rand(H) + 0.5)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.up(x)
+        add_norm_(h, residual, self.weight)
+        y = self.down(h) + residual * 2
+        return y, residual
+
+
+class RewrittenBridgeStage(torch.nn.Module):
+    """graph | break (``m = mix(h)``, bridged) | graph (g, not reading m) | break (``scale_by_(m, g)``:
+    writes the bridged m) | graph (reads m)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.side, self.down = (torch.nn.Linear(H, H) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = mix(torch.relu(self.up(x + residual)))
+        g = torch.sigmoid(self.side(x))
+        scale_by_(m, g)
+        y = self.down(m)
+        return y, y + residual
+
+
+def _runtime() -> Any:
+    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
+
+
+def _compare(c: Any, m: torch.nn.Module, n: int, seed: int, device: str) -> None:
+    """The compiled stage against eager on fresh copies of the same inputs: outputs, and the inputs as
+    the call left them (a break writes the caller's tensors in place, as eager does)."""
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(n, H, generator=g).to(device) for _ in range(2))
+    mine, theirs = (x.clone(), r.clone()), (x.clone(), r.clone())
+    ppcompile.mark_token_dynamic(*mine)
+    for got, want in zip((*c(*mine), *mine), (*m(*theirs), *theirs)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _options(mode: str, compiler: str, **extra: Any) -> dict[str, Any]:
+    return {"graph_mode": mode, "segment_compiler": compiler, "capture_sizes": SIZES, "split_ops": SPLIT_OPS,
+            **extra}
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("mode", ["emulate", "eager", "none", CUDA])
+def test_a_break_writing_a_lifted_input_in_place_refreshes_its_buffer(mode: str, compiler: str) -> None:
+    device = "cuda" if mode == "cuda" else "cpu"
+    m = AddNormStage().to(device)
+    c = torch.compile(m, backend="pp_breakable", options=_options(mode, compiler))
+    graphed = mode != "none"
+    with torch.no_grad(), ppcompile.counters.expect(replays=6 if graphed else 0):
+        for i, n in enumerate(COUNTS):
+            _compare(c, m, n, i, device)
+    runtime = _runtime()
+    program = runtime.program
+    (brk,) = [st for st in program.steps if not st.segment.is_graph]
+    residual_slot = next(s for s, (name, _) in program.input_layouts.items() if "residual" in name)
+    assert brk.refreshes == (residual_slot,) and len(brk.in_place) == 1 and brk.bridges == ()
+    (segment,) = [s for s in build_report(runtime)["segments"] if s["index"] == brk.index]
+    assert segment["writes_static"] == [program.input_buffers[residual_slot].name]
+
+
+@pytest.mark.parametrize("mode", ["emulate", "eager", CUDA])
+def test_a_break_writing_a_bridged_value_in_place_refreshes_its_bridge(mode: str) -> None:
+    device = "cuda" if mode == "cuda" else "cpu"
+    m = RewrittenBridgeStage().to(device)
+    c = torch.compile(m, backend="pp_breakable", options=_options(mode, "inductor", fold_graph_ops=0))
+    with torch.no_grad(), ppcompile.counters.expect(replays=6):
+        for i, n in enumerate(COUNTS):
+            _compare(c, m, n, i, device)
+    first, second = [st for st in _runtime().program.steps if not st.segment.is_graph]
+    (bridge,) = first.bridges
+    assert second.refreshes == (bridge,) and second.bridges == ()
+
+
+@pytest.mark.usefixtures("interpret")
+def test_the_fused_copier_refreshes_in_the_breaks_copy_point() -> None:
+    m = AddNormStage()
+    c = torch.compile(m, backend="pp_breakable", options=_options("emulate", "eager", copy_kernel="triton"))
+    with torch.no_grad(), ppcompile.counters.expect(replays=3):
+        for i, n in enumerate([3, 8, 9, 17]):
+            _compare(c, m, n, i, "cpu")
+    (state,) = _runtime().instances()
+    assert state.copy_kernel == "triton"
+    (code,) = [code for what, code in _runtime().generated_code().items() if "fused copies" in what]
+    assert "copiers[1](" in code  # the break's point: the residual, refreshed
+
+
+def test_without_the_refresh_later_graphs_read_the_stale_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the refresh prevents: the graph after the break reads the residual copied in before it."""
+    monkeypatch.setattr("ppcompile.runtime.codegen.copied_after", lambda step: step.bridges)
+    m = AddNormStage()
+    c = torch.compile(m, backend="pp_breakable", options=_options("emulate", "eager"))
+    with torch.no_grad(), ppcompile.counters.expect(replays=2):
+        for _ in range(2):  # the first call captures
+            x, r = torch.randn(5, H), torch.randn(5, H)
+            mine = (x.clone(), r.clone())
+            ppcompile.mark_token_dynamic(*mine)
+            got = c(*mine)[0]
+        assert not torch.allclose(got, m(x, r)[0], atol=1e-3)
