@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ppcompile.cli_args import int_list
 from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS
 from ppcompile.debug.table import format_table
 from ppcompile.gain_probe import GainProbe, probe_graph_gain
@@ -44,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", action="store_true",
                         help="measure graph_gain_tokens on this device (eager vs graphed forwards of a "
                              "reference stage) and plan with it")
-    parser.add_argument("--probe-sizes", default="16,32,64,128", help="token counts the probe times")
+    parser.add_argument("--probe-sizes", type=int_list, default=[16, 32, 64, 128],
+                        help="comma-separated token counts the probe times (default 16,32,64,128)")
     parser.add_argument("--probe-model", default="tiny", help="reference model of the probe stage")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device of the probe (default: cuda when available)")
@@ -56,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("give --traffic FILE (a token histogram to plan from), --probe, or both")
     if args.probe:
         try:
-            sizes = [int(s) for s in args.probe_sizes.split(",")]
-            probe = probe_graph_gain(sizes, model=args.probe_model, device=args.device)
+            probe = probe_graph_gain(args.probe_sizes, model=args.probe_model, device=args.device)
         except ValueError as e:
             return _fail(f"--probe: {e}")
         print(format_probe(probe))

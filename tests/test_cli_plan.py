@@ -86,3 +86,9 @@ def test_plan_needs_traffic_or_a_probe(capsys: pytest.CaptureFixture[str]) -> No
     assert "--traffic" in capsys.readouterr().err
     assert main(["plan", "--probe", "--probe-sizes", "8"]) == 2
     assert "two or more sizes" in capsys.readouterr().err
+
+
+def test_malformed_probe_sizes_are_an_argument_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--probe", "--probe-sizes", "4,x"])
+    assert info.value.code == 2 and "comma-separated ints, got '4,x'" in capsys.readouterr().err
