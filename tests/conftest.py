@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch._inductor.config
 
 import ppcompile
 
@@ -20,7 +21,8 @@ def _reset_counters() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _restore_dynamo_config() -> Iterator[None]:
-    """Every test ends with ``torch._dynamo.config`` as it began: one test's settings never reach the next.
+    """Every test ends with ``torch._dynamo.config`` and ``torch._inductor.config`` as it began: one
+    test's settings never reach the next.
 
     One such leak is torch's own: on torch 2.11 a stage compiled with ``dynamic=True`` sets
     ``assume_static_by_default=False`` in the process-wide config when a call enters and puts back the
@@ -29,13 +31,14 @@ def _restore_dynamo_config() -> Iterator[None]:
     compile then passes each float module attribute (an RMSNorm ``eps``) as a graph input. torch 2.13 keeps
     these settings per thread (the race: pytorch/pytorch#118260).
     """
-    config = torch._dynamo.config
-    before = config.get_config_copy()
+    configs = (torch._dynamo.config, torch._inductor.config)
+    before = [config.get_config_copy() for config in configs]
     yield
-    after = config.get_config_copy()
-    for name, value in before.items():
-        if after[name] != value:
-            setattr(config, name, value)
+    for config, saved in zip(configs, before):
+        after = config.get_config_copy()
+        for name, value in saved.items():
+            if after[name] != value:
+                setattr(config, name, value)
 
 
 @pytest.fixture
