@@ -34,14 +34,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-from collections.abc import Callable
 
 import sympy
 import torch
 from torch.fx.passes.split_module import split_module
 
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name
-from ppcompile.analysis.token_locality import VIEW_OPS
+from ppcompile.analysis.partitions import atomic_regions, fold_tiny_graphs
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
 from ppcompile.symbolic import example_value, shape_exprs, size_expr
@@ -115,102 +114,6 @@ def _extend(reason: BreakReason, node: torch.fx.Node) -> BreakReason:
     return reason if name in ops else dataclasses.replace(reason, op=f"{reason.op}, {name}")
 
 
-def _region_spans(gm: torch.fx.GraphModule) -> list[tuple[list[torch.fx.Node], str]]:
-    """Spans of nodes that no segment boundary may cut, each with a description.
-
-    A ``torch.vmap`` region (Dynamo inlines one as ``_vmap_increment_nesting`` ...
-    ``_vmap_decrement_nesting``): a boundary inside would run copies at the wrong vmap level. A declared
-    token-local region (a run of nodes with one ``meta["pp_token_local"]``): its inner values (tokens
-    sorted by expert) are not token-major, so a live-size view of one would read the wrong rows. A
-    declared eager region (``meta["pp_eager_region"]``): one break by declaration.
-    Overlapping spans merge.
-    """
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    intervals: list[tuple[int, int, str]] = []  # [first, last] node indices
-    depth, opened = 0, 0
-    for i, node in enumerate(nodes):
-        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
-        if name == "_vmap_increment_nesting":
-            opened = i if depth == 0 else opened
-            depth += 1
-        elif name == "_vmap_decrement_nesting" and depth:
-            depth -= 1
-            if depth == 0:
-                intervals.append((opened, i, "torch.vmap region"))
-        declared = node.meta.get("pp_token_local", node.meta.get("pp_eager_region"))
-        if declared is not None:
-            if intervals and intervals[-1][2] == declared and intervals[-1][1] == i - 1:
-                intervals[-1] = (intervals[-1][0], i, declared)
-            else:
-                intervals.append((i, i, declared))
-    merged: list[tuple[int, int, str]] = []
-    for first, last, what in sorted(intervals):
-        if merged and first <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(last, merged[-1][1]), merged[-1][2])
-        else:
-            merged.append((first, last, what))
-    return [(nodes[first:last + 1], what) for first, last, what in merged]
-
-
-def _atomic_regions(
-    gm: torch.fx.GraphModule, reason_of: Callable[[torch.fx.Node], BreakReason | None]
-) -> dict[torch.fx.Node, tuple[torch.fx.Node, BreakReason]]:
-    """Nodes of each uncuttable span (:func:`_region_spans`) that holds a break, mapped to the span's
-    first node and one reason: such a span becomes one break as a whole."""
-    regions: dict[torch.fx.Node, tuple[torch.fx.Node, BreakReason]] = {}
-    for members, what in _region_spans(gm):
-        found = [r for r in map(reason_of, members) if r is not None]
-        if found:
-            calls = (n for n in members if n.op.startswith("call_"))
-            ops = ", ".join(dict.fromkeys(op_name(n, qualified=True) for n in calls))
-            reason = dataclasses.replace(found[0], op=f"{what} ({ops})")
-            regions.update({n: (members[0], reason) for n in members})
-    return regions
-
-
-def _launches(node: torch.fx.Node) -> bool:
-    """Whether ``node`` runs a kernel: not a view, a tuple unpacking or size arithmetic."""
-    if node.op not in ("call_function", "call_method") or not isinstance(example_value(node), torch.Tensor):
-        return False
-    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return name == "contiguous" or name not in VIEW_OPS
-
-
-def _fold_tiny_graphs(
-    partition: dict[torch.fx.Node, int],
-    reasons: dict[int, BreakReason],
-    layer_ids: dict[int, tuple[int, ...]],
-    most: int,
-) -> int:
-    """Folds each graph partition between two breaks that launches at most ``most`` kernels into one
-    break with both neighbours (a graph launch and the bridges around it cost more than running those
-    few ops eagerly). Rewrites the three maps in place; returns how many partitions were folded."""
-    members: dict[int, list[torch.fx.Node]] = {}
-    for node, part in partition.items():
-        members.setdefault(part, []).append(node)
-    order = sorted(members)
-    folded, merged_into = 0, {p: p for p in order}
-    for before, graph, after in zip(order, order[1:], order[2:]):
-        if graph in reasons or merged_into[before] not in reasons or after not in reasons:
-            continue
-        ops = [n for n in members[graph] if _launches(n)]
-        if len(ops) > most:
-            continue
-        head = merged_into[before]
-        first, second = reasons[head], reasons.pop(after)
-        calls = (n for n in members[graph] if n.op.startswith("call_"))
-        names = ", ".join(dict.fromkeys(op_name(n, qualified=True) for n in calls))
-        reasons[head] = dataclasses.replace(first, detail=(
-            f"{first.detail}; joined with the next break ({second.kind.value}: {second.op}) across "
-            f"{len(ops)} cheap op{'s' * (len(ops) != 1)} ({names or 'views'}) run eagerly"))
-        layer_ids[head] = layer_ids.get(head, ()) + layer_ids.pop(after, ())
-        for node in members[graph] + members[after]:
-            partition[node] = head
-        merged_into[graph] = merged_into[after] = head
-        folded += 1
-    return folded
-
-
 def _has_tensor_output(submod: torch.fx.GraphModule) -> bool:
     (out,) = submod.graph.find_nodes(op="output")
     values = torch.fx.node.map_arg(out.args, lambda n: n)
@@ -243,7 +146,7 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     layer_ids: dict[int, tuple[int, ...]] = {}
     part = 0
     current_is_break = False
-    regions = _atomic_regions(gm, lambda n: _break_reason(n, ctx, attention, user, host))
+    regions = atomic_regions(gm, lambda n: _break_reason(n, ctx, attention, user, host))
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -276,7 +179,7 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             current_is_break = True
         partition[node] = part
 
-    folded = _fold_tiny_graphs(partition, reasons, layer_ids, ctx.config.fold_graph_ops)
+    folded = fold_tiny_graphs(partition, reasons, layer_ids, ctx.config.fold_graph_ops)
     declared: dict[int, dict[str, None]] = {}
     for node, index in partition.items():
         if "pp_token_local" in node.meta:

@@ -12,7 +12,7 @@ from fx_helpers import dynamo_graph, make_ctx, run_until
 from torch import nn
 
 import ppcompile
-from ppcompile.passes import split_at_breaks as split_module
+from ppcompile.analysis import partitions
 from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.find_declared_regions import find_declared_regions
 from ppcompile.records import BreakKind
@@ -158,7 +158,7 @@ def test_without_keeping_regions_whole_the_break_reads_the_wrong_rows(
     """The rule has teeth: cut inside the region, the break sees the first ``n`` of the bucket's sorted
     rows, which mix padded rows in among live ones."""
     ppcompile.token_local(SortedRowwise)
-    monkeypatch.setattr(split_module, "_region_spans", lambda gm: [])
+    monkeypatch.setattr(partitions, "uncuttable_spans", lambda gm: [])
     try:
         with pytest.raises(AssertionError, match="5 tokens: Tensor-likes are not close"):
             _run(_sorted_stage(), counts=(8, 5), split_ops=["pptest::mix"])
