@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from mixer_stage import mix_rows
+from mixer_stage import mix_rows, register_mixer
 
 import ppcompile
 from ppcompile.debug.report import build_report
@@ -35,14 +35,7 @@ def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     return None
 
 
-@torch.library.custom_op("pptest_inplace::mix", mutates_args=())
-def mix(x: torch.Tensor) -> torch.Tensor:
-    return mix_rows(x)
-
-
-@mix.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+mix = register_mixer("pptest_inplace::mix", lambda x: None)
 
 
 @torch.library.custom_op("pptest_inplace::scale_by_", mutates_args=("x",))
