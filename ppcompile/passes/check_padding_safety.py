@@ -36,7 +36,7 @@ import torch
 
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name, resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
-from ppcompile.analysis.token_locality import is_registered_token_local, rule_for, written_input
+from ppcompile.analysis.token_locality import is_registered_token_local, mutated_inputs, rule_for
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.symbolic import SizeFn, example_value, first_decrease, shape_exprs
 from ppcompile.torch_internals import tree_leaves
@@ -95,7 +95,7 @@ def _verdict(
 ) -> str | None:
     """Why ``node`` may not run on padded rows, or None."""
     shrinking = shrinking_token_size(node, ctx.token_symbol, cap, memo)
-    written = written_input(node)
+    written = next(iter(mutated_inputs(node)), None)  # in-place methods, and ops whose schema writes
     declared = "pp_token_local" in node.meta or (
         node.op == "call_function" and is_registered_token_local(node.target, extra_safe)
     )

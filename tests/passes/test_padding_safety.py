@@ -198,6 +198,29 @@ def test_reference_stage_breaks_only_at_attention(name: str) -> None:
         )
 
 
+@torch.library.custom_op("pptest_padding::cache_rows_", mutates_args=("cache",))
+def cache_rows_(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
+    """A KV-cache write by slot index whose schema says it writes ``cache`` (registered token-local
+    below: row i of the cache write depends on row i of ``k`` only)."""
+    cache.index_copy_(0, slots, k)
+
+
+@cache_rows_.register_fake
+def _(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("pptest_padding::bump_", mutates_args=("x",))
+def bump_(x: torch.Tensor) -> None:
+    """``x += 1`` as a custom op whose schema writes ``x`` (registered token-local below)."""
+    x.add_(1)
+
+
+@bump_.register_fake
+def _(x: torch.Tensor) -> None:
+    return None
+
+
 class CacheWriter(torch.nn.Module):
     """Writes each token's key into a module buffer by slot index, the way a KV cache is filled."""
 
@@ -216,17 +239,24 @@ class CacheWriter(torch.nn.Module):
             self.cache[slots] = k
         elif self.how == "slice copy_":
             self.cache[: x.shape[0]].copy_(k)
+        elif self.how == "token-local op writing the cache":
+            cache_rows_(self.cache, slots, k)
+        elif self.how == "token-local op writing the input":
+            bump_(x)
         else:
             x += 1  # mutates the caller's input
         return self.lin(k + x)
 
 
-@pytest.mark.parametrize("how", ["index_copy_", "setitem", "slice copy_", "input +="])
+@pytest.mark.parametrize("how", ["index_copy_", "setitem", "slice copy_", "input +=",
+                                 "token-local op writing the cache", "token-local op writing the input"])
 def test_in_place_writes_into_inputs_run_eagerly(how: str) -> None:
-    """A replay writes all b rows: padded rows must not reach a KV-cache-like buffer or the input."""
+    """A replay writes all b rows: padded rows must not reach a KV-cache-like buffer or the input. Ops
+    whose schema writes an input count too, even registered token-local."""
     torch._dynamo.reset()
     eager, graphed = CacheWriter(how), CacheWriter(how)
-    options = {"capture_sizes": CAPTURE, "graph_mode": "emulate"}
+    options = {"capture_sizes": CAPTURE, "graph_mode": "emulate",
+               "token_local_ops": ["pptest_padding::cache_rows_", "pptest_padding::bump_"]}
     compiled = torch.compile(graphed, backend="pp_breakable", dynamic=True, options=options)
     with torch.no_grad():
         for n in NON_BUCKET_COUNTS:

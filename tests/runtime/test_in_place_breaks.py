@@ -35,6 +35,19 @@ def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     return None
 
 
+@torch.library.custom_op("pptest_inplace::add_rms_norm_", mutates_args=("x", "residual"))
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    """vLLM's ``fused_add_rms_norm``: ``residual += x``, ``x = rms_norm(residual) * weight``, both in
+    place; row-local, so a user may register it token-local."""
+    residual.add_(x)
+    x.copy_(residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * weight)
+
+
+@add_rms_norm_.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    return None
+
+
 mix = register_mixer("pptest_inplace::mix", lambda x: None)
 
 
@@ -49,6 +62,7 @@ def _(x: torch.Tensor, by: torch.Tensor) -> None:
 
 
 SPLIT_OPS = ["pptest_inplace::add_norm_", "pptest_inplace::mix", "pptest_inplace::scale_by_"]
+TOKEN_LOCAL_OPS = ["pptest_inplace::add_rms_norm_"]
 
 
 class AddNormStage(torch.nn.Module):
@@ -66,6 +80,16 @@ class AddNormStage(torch.nn.Module):
         add_norm_(h, residual, self.weight)
         y = self.down(h) + residual * 2
         return y, residual
+
+
+class ReceivingLayerStage(AddNormStage):
+    """A non-first PP stage's first layer, as vLLM writes it: ``add_rms_norm_(x, residual)`` on the two
+    tensors the previous stage sent, then graph (up) | break (mix) | graph (down, reads residual)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        add_rms_norm_(x, residual, self.weight)
+        h = mix(self.up(x))
+        return self.down(h) + residual, residual
 
 
 class RewrittenBridgeStage(torch.nn.Module):
@@ -102,7 +126,7 @@ def _compare(c: Any, m: torch.nn.Module, n: int, seed: int, device: str) -> None
 
 def _options(mode: str, compiler: str, **extra: Any) -> dict[str, Any]:
     return {"graph_mode": mode, "segment_compiler": compiler, "capture_sizes": SIZES, "split_ops": SPLIT_OPS,
-            **extra}
+            "token_local_ops": TOKEN_LOCAL_OPS, **extra}
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
@@ -122,6 +146,27 @@ def test_a_break_writing_a_lifted_input_in_place_refreshes_its_buffer(mode: str,
     assert brk.refreshes == (residual_slot,) and len(brk.in_place) == 1 and brk.bridges == ()
     (segment,) = [s for s in build_report(runtime)["segments"] if s["index"] == brk.index]
     assert segment["writes_static"] == [program.input_buffers[residual_slot].name]
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("mode", ["emulate", "eager", CUDA])
+def test_a_token_local_op_writing_the_stage_inputs_runs_as_a_break_and_graphs_read_its_writes(
+    mode: str, compiler: str
+) -> None:
+    """Registered token-local, the op still writes graph inputs: inside a graph it would write the static
+    copies (the caller's tensors and the break reading ``x`` would see the old values). It runs as a
+    break on the live tensors, and the graph after it reads ``residual`` refreshed."""
+    device = "cuda" if mode == "cuda" else "cpu"
+    m = ReceivingLayerStage().to(device)
+    c = torch.compile(m, backend="pp_breakable", options=_options(mode, compiler))
+    with torch.no_grad(), ppcompile.counters.expect(replays=6):
+        for i, n in enumerate(COUNTS):
+            _compare(c, m, n, i, device)
+    program = _runtime().program
+    first = program.steps[0]
+    assert not first.segment.is_graph and "writes in place into graph input" in first.segment.reason.detail
+    residual_slot = next(s for s, (name, _) in program.input_layouts.items() if "residual" in name)
+    assert first.refreshes == (residual_slot,)  # x is read by the break only (up and mix fold into it)
 
 
 @pytest.mark.parametrize("mode", ["emulate", "eager", CUDA])
