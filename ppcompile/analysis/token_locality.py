@@ -337,19 +337,23 @@ def _base_input(value: Any) -> torch.fx.Node | None:
 
 
 def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The graph inputs ``node`` writes in place: an in-place method's ``self`` (:func:`written_input`)
-    and every argument an op's schema marks as written (an out-variant op's ``out``), through views."""
+    """The graph inputs ``node`` writes in place, through views: an in-place method's ``self``
+    (:func:`written_input`), every argument an op's schema marks as written (an out-variant op's
+    ``out``), and the ``out=`` of a torch function (``torch.add(x, 1, out=r)``, which Dynamo keeps)."""
     written = written_input(node)
-    found = [] if written is None else [written]
+    values: list[Any] = [] if written is None else [written]
     target = node.target
     if isinstance(target, OpOverloadPacket) and target.overloads() == ["default"]:
         target = target.default  # a custom op called as ``torch.ops.ns.op(...)``
     if node.op == "call_function" and isinstance(target, OpOverload):
         for i, name in written_arguments(target):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
-            base = _base_input(value)
-            if base is not None and base not in found:
-                found.append(base)
+            values.append(node.args[i] if i < len(node.args) else node.kwargs.get(name))
+    elif node.op == "call_function":
+        values.extend(tree_leaves(node.kwargs.get("out")))
+    found: list[torch.fx.Node] = []
+    for base in map(_base_input, values):
+        if base is not None and base not in found:
+            found.append(base)
     return found
 
 

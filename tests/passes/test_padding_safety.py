@@ -243,16 +243,19 @@ class CacheWriter(torch.nn.Module):
             cache_rows_(self.cache, slots, k)
         elif self.how == "token-local op writing the input":
             bump_(x)
+        elif self.how == "out= into the input":
+            torch.add(k, 1, out=x)
         else:
             x += 1  # mutates the caller's input
         return self.lin(k + x)
 
 
 @pytest.mark.parametrize("how", ["index_copy_", "setitem", "slice copy_", "input +=",
-                                 "token-local op writing the cache", "token-local op writing the input"])
+                                 "token-local op writing the cache", "token-local op writing the input",
+                                 "out= into the input"])
 def test_in_place_writes_into_inputs_run_eagerly(how: str) -> None:
     """A replay writes all b rows: padded rows must not reach a KV-cache-like buffer or the input. Ops
-    whose schema writes an input count too, even registered token-local."""
+    whose schema writes an input count too, even registered token-local, and a torch function's out=."""
     torch._dynamo.reset()
     eager, graphed = CacheWriter(how), CacheWriter(how)
     options = {"capture_sizes": CAPTURE, "graph_mode": "emulate",
