@@ -155,11 +155,13 @@ def token_strided(
 ) -> frozenset[int]:
     """The slots of ``layouts`` (:func:`static_layouts`) whose traced strides follow the token count (a
     column-major ``[T, H]``: strides ``[1, T]``). A narrowed view of one buffer cannot have them at
-    every bucket, so each bucket views the buffer's memory with its own strides."""
+    every bucket, so each bucket views the buffer's memory with its own strides. The stride of a dim of
+    size 1 addresses nothing else and does not count (``[1, T, H]``, strides ``[T * H, H, 1]``)."""
     if token is None:
         return frozenset()
     return frozenset(slot for slot, (_, layout) in layouts.items()
-                     if any(token in f.expr.free_symbols for f in layout.strides))
+                     if any(token in stride.expr.free_symbols
+                            for size, stride in zip(layout.sizes, layout.strides) if size.expr != 1))
 
 
 def check_static_layout(what: str, layout: TensorLayout, view: torch.Tensor,

@@ -14,7 +14,7 @@ from mixer_stage import MixerStage, mix_rows, register_mixer
 import ppcompile
 from ppcompile.records import Segment
 from ppcompile.runtime.codegen import graph_forward_source, make_graph_forward, make_live_forward
-from ppcompile.runtime.layout_checks import LayoutMismatchError, checked_values
+from ppcompile.runtime.layout_checks import LayoutMismatchError, checked_values, token_strided
 from ppcompile.runtime.program import Program, Ref, Step, TensorLayout
 from ppcompile.runtime.static_buffers import narrow_to
 from ppcompile.runtime.validation import InputMismatchError
@@ -268,6 +268,20 @@ def test_only_layouts_of_symbols_a_call_binds_are_checked() -> None:
     assert [c.slot for c in checked_values(program, [0, 1], {n})] == [0, 2]
     assert [c.slot for c in checked_values(program, [0, 1], {n, h})] == [0, 1, 2, 3]
     assert [c.slot for c in checked_values(program, [1], {n, h})] == [1, 2, 3]  # input 0 is not live
+
+
+def test_token_strided_counts_strides_of_dims_longer_than_one() -> None:
+    """Column-major [T, H] has a stride that follows T; [1, T, H] row-major too, but only on its size-1
+    dim, which addresses nothing else: narrowed views serve it, and fused copiers keep it."""
+    t = sympy.Symbol("s0", integer=True, positive=True)
+    one, four, tokens = SizeFn(sympy.Integer(1)), SizeFn(sympy.Integer(4)), SizeFn(t)
+    cpu = torch.device("cpu")
+    column_major = TensorLayout((tokens, four), (one, tokens), torch.float32, cpu)
+    batch_of_one = TensorLayout((one, tokens, four), (SizeFn(4 * t), four, one), torch.float32, cpu)
+    row_major = TensorLayout((tokens, four), (four, one), torch.float32, cpu)
+    layouts = {0: ("a", column_major), 1: ("b", batch_of_one), 2: ("c", row_major)}
+    assert token_strided(layouts, t) == {0}
+    assert token_strided(layouts, None) == frozenset()
 
 
 def test_a_program_without_steps_returns_its_inputs_and_constants() -> None:
