@@ -114,6 +114,29 @@ def test_out_variant_attention_needs_no_bridges() -> None:
     assert bridges == {"small-dense": REFERENCE_CONFIGS["small-dense"].num_layers, "out-variant": 0}
 
 
+def test_pp2_with_the_in_place_norm_matches_eager_and_its_received_residual_costs_breaks() -> None:
+    """vLLM's layers write ``hidden`` and ``residual`` in place with ``fused_add_rms_norm``. On the first
+    stage both are the graphs' own values and every norm stays in a graph; on a later stage
+    ``residual`` is the tensor the stage received, so each norm writing it runs as a break (the graphs
+    would write the static copy) and the graphs after it read the refreshed buffer."""
+    cfg = REFERENCE_CONFIGS["in-place-norm"].replace(num_layers=4)
+    eager = InProcessPipeline(cfg, 2, compiled=False)
+    graphed = InProcessPipeline(cfg, 2, compiled=True, options=OPTIONS)
+    for lens, bucket in CASES:
+        ids, pos, _ = make_batch(cfg, lens, 0, 2, seed=1)
+        with torch.inference_mode(), expect_path(bucket, 2):
+            got = graphed(ids, pos, lens)
+        with torch.inference_mode():
+            assert_close(got, eager(ids, pos, lens), f"in-place-norm logits at {sum(lens)} tokens")
+    first, second = [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-2:]
+    norms = [[r for r in rt.break_reasons if "fused_add_rms_norm" in r.op + r.detail]
+             for rt in (first, second)]
+    assert norms[0] == []
+    # Stage 1: 2 layers x 2 norms, all breaks: two on their own, two joined to the attention before them.
+    assert len(second.break_reasons) == 4 and len(norms[1]) == 4
+    assert sum("writes in place into graph input" in r.detail for r in norms[1]) == 2
+
+
 def test_one_token_topk_stage_runs_eagerly() -> None:
     """With 1 token the token dim is specialised; the dynamic topk width must not pass for tokens."""
     cfg = REFERENCE_CONFIGS["topk"]

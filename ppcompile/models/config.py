@@ -23,6 +23,9 @@ class ModelConfig:
     (compile with marked token dims: torch 2.13's regions fail under ``dynamic=True``).
     ``attention_with_output=True`` calls the out-variant ``ppcompile::attention_with_output`` (the layer
     allocates the output, the op writes it) instead of the functional ``ppcompile::attention``.
+    ``in_place_norm=True`` makes the fused-residual RMSNorm the in-place ``ppcompile::fused_add_rms_norm``
+    (vLLM's ``fused_add_rms_norm``: writes ``hidden`` and ``residual``); a non-first stage's first layer
+    then writes the proxies it received. Needs the fused residual and no compile regions.
     """
 
     vocab_size: int = 256
@@ -42,6 +45,7 @@ class ModelConfig:
     topk_proxy: int = 0
     compile_regions: bool = False
     attention_with_output: bool = False
+    in_place_norm: bool = False
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
@@ -75,6 +79,9 @@ class ModelConfig:
                 f"ModelConfig.topk_proxy must be in [0, hidden_size={self.hidden_size}], "
                 f"got {self.topk_proxy}"
             )
+        if self.in_place_norm and (self.hidden_only or self.compile_regions):
+            raise ValueError("ModelConfig.in_place_norm needs the fused residual (hidden_only=False) and no "
+                             "compile_regions (a nested region cannot write its inputs)")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"ModelConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
 
@@ -90,5 +97,6 @@ REFERENCE_CONFIGS: dict[str, ModelConfig] = {
     "hidden-only": ModelConfig(num_layers=8, hidden_only=True),
     "topk": ModelConfig(num_layers=8, topk_proxy=4),
     "out-variant": ModelConfig(num_layers=8, attention_with_output=True),
+    "in-place-norm": ModelConfig(num_layers=8, in_place_norm=True),
     "deep-dense": ModelConfig(num_layers=32),
 }

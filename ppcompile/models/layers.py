@@ -13,17 +13,40 @@ import torch.nn.functional as F
 from torch import nn
 
 import ppcompile.models.attention  # noqa: F401  (registers torch.ops.ppcompile.attention)
+from ppcompile.analysis.token_locality import register_token_local_op
 from ppcompile.models.config import ModelConfig
 
 __all__ = ["MLP", "Attention", "DecoderLayer", "MoE", "PPMissingLayer", "RMSNorm", "RotaryEmbedding"]
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm; ``forward(x, residual)`` first adds ``residual`` and returns ``(normed, x + residual)``."""
+@torch.library.custom_op("ppcompile::fused_add_rms_norm", mutates_args=("x", "residual"))
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """vLLM's ``fused_add_rms_norm`` in torch ops: ``residual += x``, then ``x = rms_norm(residual) *
+    weight``, both in place. Row-local, so registered token-local: inside a graph it may write the
+    graph's own values; where it writes a stage input, ``pp_breakable`` runs it as a break."""
+    residual.add_(x)
+    rf = residual.float()
+    x.copy_((rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight)
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+
+@fused_add_rms_norm.register_fake
+def _fused_add_rms_norm_fake(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    return None
+
+
+register_token_local_op("ppcompile::fused_add_rms_norm")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; ``forward(x, residual)`` first adds ``residual`` and returns ``(normed, x + residual)``
+    (``in_place``: :func:`fused_add_rms_norm` writes both into ``x`` and ``residual`` and returns them)."""
+
+    def __init__(self, hidden_size: int, eps: float, in_place: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.in_place = in_place
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,6 +59,9 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
+        if self.in_place:
+            fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         residual = x + residual
         return self._norm(residual), residual
 
@@ -200,9 +226,9 @@ class DecoderLayer(nn.Module):
         self.layer_id = int(layer_id)
         self.hidden_only = cfg.hidden_only
         self.compile_regions = cfg.compile_regions
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.in_place_norm)
         self.self_attn = Attention(cfg, layer_id)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.in_place_norm)
         self.mlp: nn.Module = MoE(cfg) if cfg.num_experts else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(

@@ -20,7 +20,7 @@ from ppcompile.models import (
     make_stage,
     set_forward_context,
 )
-from ppcompile.models.layers import DecoderLayer, PPMissingLayer
+from ppcompile.models.layers import DecoderLayer, PPMissingLayer, RMSNorm
 from ppcompile.proxy import PPProxyTensors
 
 DENSE = REFERENCE_CONFIGS["small-dense"]
@@ -57,6 +57,8 @@ def test_config_validation() -> None:
         {"num_experts": 2, "experts_top_k": 3},
         {"topk_proxy": 65},
         {"dtype": torch.int32},
+        {"in_place_norm": True, "hidden_only": True},
+        {"in_place_norm": True, "compile_regions": True},
     ):
         with pytest.raises(ValueError, match="ModelConfig"):
             ModelConfig(**bad)
@@ -220,6 +222,24 @@ def test_a_stage_with_out_variant_attention_equals_the_functional_one() -> None:
     functional = _run_chain(cfg, 2, seq_lens)
     torch.testing.assert_close(_run_chain(cfg.replace(attention_with_output=True), 2, seq_lens), functional,
                                rtol=0, atol=0)
+
+
+def test_a_stage_with_the_in_place_norm_equals_the_functional_one() -> None:
+    cfg = DENSE.replace(num_layers=4)
+    seq_lens = [3, 6]
+    functional = _run_chain(cfg, 2, seq_lens)
+    torch.testing.assert_close(_run_chain(cfg.replace(in_place_norm=True), 2, seq_lens), functional,
+                               rtol=0, atol=0)
+
+
+def test_fused_add_rms_norm_writes_both_tensors() -> None:
+    x, residual = torch.randn(2, 5, 8).unbind(0)
+    weight = torch.rand(8)
+    want_residual = x + residual
+    want = RMSNorm(8, 1e-6)(x, residual)[0] * weight
+    torch.ops.ppcompile.fused_add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(residual, want_residual, rtol=0, atol=0)
+    torch.testing.assert_close(x, want)
 
 
 # ------------------------------------------------------------------------------------------------ dynamo

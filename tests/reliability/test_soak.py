@@ -1,9 +1,10 @@
 """Soak property (docs/reliability.md, "Soak"): random streams of forwards over several stage
 contracts, interleaved, every output compared to eager; static memory grows only when a capture runs.
 
-Contracts: hidden + residual proxies, hidden-only proxies, and an int32 ``topk_indices`` proxy; each a
-2-stage split of a tiny reference decoder (stage 0 takes ``input_ids`` and hands proxies over, stage 1
-takes proxies and returns logits). Token counts favour 1, a bucket exactly, a bucket + 1 and above the
+Contracts: hidden + residual proxies, hidden-only proxies, an int32 ``topk_indices`` proxy, and hidden +
+residual written in place by vLLM-style norms (``in_place_norm``); each a 2-stage split of a tiny
+reference decoder (stage 0 takes ``input_ids`` and hands proxies over, stage 1 takes proxies and returns
+logits). Token counts favour 1, a bucket exactly, a bucket + 1 and above the
 cap. An output of one stage must stay valid across calls of the other stages (invariant 4 is per stage).
 ``bench/soak.py`` runs the same comparison for 10,000 forwards and reports memory.
 """
@@ -36,6 +37,7 @@ CONTRACTS: dict[str, ModelConfig] = {
     "hidden+residual": BASE,
     "hidden-only": BASE.replace(hidden_only=True),
     "topk": BASE.replace(topk_proxy=4),
+    "in-place-norm": BASE.replace(in_place_norm=True),  # stage 1 writes the residual it receives
 }
 EDGES = [1, 2, 4, 5, 8, 9, 16, 17, CAP - 1, CAP, CAP + 1, CAP + 9]
 
@@ -56,7 +58,7 @@ def _stage(contract: str, rank: int) -> tuple[torch.nn.Module, Any]:
 @pytest.fixture(scope="module", autouse=True)
 def _drop_stages() -> Iterator[None]:
     limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = 64  # six stages share PPStage.forward's code object
+    torch._dynamo.config.recompile_limit = 64  # eight stages share PPStage.forward's code object
     yield
     _STAGES.clear()
     torch._dynamo.config.recompile_limit = limit
