@@ -22,6 +22,7 @@ from ppcompile.models import (
     set_forward_context,
 )
 from ppcompile.pipeline import InProcessPipeline
+from ppcompile.records import BreakKind
 
 PP = 4
 SIZES = [4, 8, 16, 32, 64]
@@ -114,11 +115,11 @@ def test_out_variant_attention_needs_no_bridges() -> None:
     assert bridges == {"small-dense": REFERENCE_CONFIGS["small-dense"].num_layers, "out-variant": 0}
 
 
-def test_pp2_with_the_in_place_norm_matches_eager_and_its_received_residual_costs_breaks() -> None:
-    """vLLM's layers write ``hidden`` and ``residual`` in place with ``fused_add_rms_norm``. On the first
-    stage both are the graphs' own values and every norm stays in a graph; on a later stage
-    ``residual`` is the tensor the stage received, so each norm writing it runs as a break (the graphs
-    would write the static copy) and the graphs after it read the refreshed buffer."""
+def test_pp2_with_the_in_place_norm_matches_eager_with_every_norm_in_a_graph() -> None:
+    """vLLM's layers write ``hidden`` and ``residual`` in place with ``fused_add_rms_norm``. On a later
+    stage ``residual`` is the tensor the stage received: its norms write the residual's static buffer in
+    the graphs, and the runtime copies it back into the received tensor at the end of the call. No norm
+    is a break on either stage: each stage breaks at its attention ops only."""
     cfg = REFERENCE_CONFIGS["in-place-norm"].replace(num_layers=4)
     eager = InProcessPipeline(cfg, 2, compiled=False)
     graphed = InProcessPipeline(cfg, 2, compiled=True, options=OPTIONS)
@@ -129,12 +130,9 @@ def test_pp2_with_the_in_place_norm_matches_eager_and_its_received_residual_cost
         with torch.inference_mode():
             assert_close(got, eager(ids, pos, lens), f"in-place-norm logits at {sum(lens)} tokens")
     first, second = [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-2:]
-    norms = [[r for r in rt.break_reasons if "fused_add_rms_norm" in r.op + r.detail]
-             for rt in (first, second)]
-    assert norms[0] == []
-    # Stage 1: 2 layers x 2 norms, all breaks: two on their own, two joined to the attention before them.
-    assert len(second.break_reasons) == 4 and len(norms[1]) == 4
-    assert sum("writes in place into graph input" in r.detail for r in norms[1]) == 2
+    for rt in (first, second):
+        assert [r.kind for r in rt.break_reasons] == [BreakKind.ATTENTION] * 2, rt.describe()
+    assert sum(len(st.writes_buffers) for st in second.program.steps) >= 2  # hidden and residual received
 
 
 def test_one_token_topk_stage_runs_eagerly() -> None:

@@ -314,8 +314,8 @@ def written_input(node: torch.fx.Node) -> torch.fx.Node | None:
     """The graph input that an in-place op writes into (through any chain of views), or None.
 
     A graph replays its in-place writes for all ``b`` rows: into a module buffer (a KV cache written
-    by token-major slot indices, a ``cache[:n]`` view) that writes padded rows too, and into a lifted
-    live input it writes the static copy instead of the caller's tensor.
+    by token-major slot indices, a ``cache[:n]`` view) that writes padded rows too; into a lifted live
+    input it writes the static copy, which the runtime reads back (``Step.writes_buffers``).
     """
     name = op_name(node)
     in_place = (node.op == "call_method" and name.endswith("_") and not name.endswith("__")) or (

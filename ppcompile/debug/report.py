@@ -222,7 +222,8 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageI
             "reads_static": [buffer_names[r.slot] for r in step.args
                              if seg.is_graph and r.slot in buffer_names],
             "writes_static": [buffer_names[s] for s in (*step.bridges, *step.refreshes) if s in buffer_names],
-            "writes_in_place": [_produced_by(runtime.program, s) for s in step.in_place],
+            "writes_in_place": [*(_produced_by(runtime.program, s) for s in step.in_place),
+                                *(buffer_names[s] for s in step.writes_buffers if s in buffer_names)],
             "output_bytes_at_cap": mem.output_bytes(cap) if mem else None,
             "transient_bytes_at_cap": mem.transient_bytes(cap) if mem else None,
         })

@@ -127,14 +127,16 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
     }
     finished = []
     for st in steps:
+        written = [st.args[i].slot for i in sorted(_written_args(getattr(split, st.segment.name)))]
         if st.segment.is_graph:
             read = [s for s in st.out_slots if s in live_reads]
             tensors = tuple(s for s in read if isinstance(example_value(node_of[s]), torch.Tensor))
             numbers = tuple(s for s in read if s not in tensors)
-            finished.append(dataclasses.replace(st, live_views=tensors, live_values=numbers))
+            finished.append(dataclasses.replace(
+                st, live_views=tensors, live_values=numbers,
+                writes_buffers=tuple(s for s in written if s in input_buffers or s in bridge_buffers)))
         else:
             bridges = tuple(s for s in st.out_slots if s in graph_reads)
-            written = [st.args[i].slot for i in sorted(_written_args(getattr(split, st.segment.name)))]
             read_later = {a.slot for later in steps[st.index + 1:] if later.segment.is_graph
                           for a in later.args}
             finished.append(dataclasses.replace(

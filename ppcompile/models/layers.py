@@ -22,8 +22,8 @@ __all__ = ["MLP", "Attention", "DecoderLayer", "MoE", "PPMissingLayer", "RMSNorm
 @torch.library.custom_op("ppcompile::fused_add_rms_norm", mutates_args=("x", "residual"))
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """vLLM's ``fused_add_rms_norm`` in torch ops: ``residual += x``, then ``x = rms_norm(residual) *
-    weight``, both in place. Row-local, so registered token-local: inside a graph it may write the
-    graph's own values; where it writes a stage input, ``pp_breakable`` runs it as a break."""
+    weight``, both in place. Row-local, so registered token-local: it stays in graphs, also where it writes
+    what the stage received (``pp_breakable`` copies those writes back into the caller's tensors)."""
     residual.add_(x)
     rf = residual.float()
     x.copy_((rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight)

@@ -3,12 +3,13 @@
 A graph replays ``b`` rows where only ``n`` are live. That is correct only if no graphed op mixes rows
 along the token dim: a mean or sum over tokens, a cumsum, a sort or top-k along tokens, attention written
 out in plain ops, a matmul contracting over tokens, an index or gather that addresses other tokens, a
-``view`` that folds tokens into another dim, an in-place write into a graph input (a KV cache written
+``view`` that folds tokens into another dim, an in-place write into module state (a KV cache written
 by slot indices would receive padded rows). For every node that touches a token dim this pass applies
 the op's rule (``analysis.token_locality.RULES``); a node that fails, or whose op has no rule and is not
 registered token-local, gets ``meta["pp_unsafe"]`` with the reason. Nodes of a region declared
 token-local (``find_declared_regions``) skip the op rules. Whatever its op, a node is unsafe when a
-token-dim size it makes or reads shrinks as the token count grows, or when it writes into a graph input.
+token-dim size it makes or reads shrinks as the token count grows, or when it writes into a graph input
+other than a token-major live one (whose static buffer the runtime reads back after the write).
 ``split_at_breaks`` then makes it a break that runs eagerly on live rows, or, with
 ``on_unsafe="error"``, compilation fails naming the op, its source line and the reason.
 
@@ -38,6 +39,7 @@ from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name,
 from ppcompile.analysis.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
 from ppcompile.analysis.token_locality import is_registered_token_local, mutated_inputs, rule_for
 from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.records import InputKind
 from ppcompile.symbolic import SizeFn, example_value, first_decrease, shape_exprs
 from ppcompile.torch_internals import tree_leaves
 
@@ -91,11 +93,15 @@ def source_line(node: torch.fx.Node) -> str:
 
 
 def _verdict(
-    node: torch.fx.Node, ctx: PassContext, extra_safe: list[Any], cap: int, memo: dict[sympy.Expr, int | None]
+    node: torch.fx.Node, ctx: PassContext, extra_safe: list[Any], cap: int,
+    memo: dict[sympy.Expr, int | None], lifted: frozenset[torch.fx.Node],
 ) -> str | None:
-    """Why ``node`` may not run on padded rows, or None."""
+    """Why ``node`` may not run on padded rows, or None. A write into a ``lifted`` input (a token-major
+    live tensor: graphs get its static buffer) is judged like any other op: the runtime reads it back
+    from the buffer; a write into any other graph input (module state) is never token-local."""
     shrinking = shrinking_token_size(node, ctx.token_symbol, cap, memo)
-    written = next(iter(mutated_inputs(node)), None)  # in-place methods, and ops whose schema writes
+    # In-place methods, out=, and ops whose schema writes.
+    written = next((p for p in mutated_inputs(node) if p not in lifted), None)
     declared = "pp_token_local" in node.meta or (
         node.op == "call_function" and is_registered_token_local(node.target, extra_safe)
     )
@@ -105,8 +111,8 @@ def _verdict(
     if shrinking is not None:
         return f"{_op_label(node)} {shrinking}"
     if written is not None:
-        return (f"{_op_label(node)} writes in place into graph input {written.name}: a replay would "
-                "write padded rows too (or write the static copy instead of the caller's tensor)")
+        return (f"{_op_label(node)} writes in place into graph input {written.name}, which is not a "
+                "token-major live input: a replay would write its padded rows too")
     if rule is None:
         return f"{_op_label(node)} is not known to be token-local (register it if it is)"
     problem = rule(node)
@@ -135,12 +141,14 @@ def check_padding_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
     cap = max(ctx.config.capture_sizes or (ctx.config.max_capture_tokens,))
     decreases: dict[sympy.Expr, int | None] = {}
     tails: dict[torch.fx.Node, Tail] = {}
+    lifted = frozenset(p for p, kind in zip(gm.graph.find_nodes(op="placeholder"), ctx.input_kinds)
+                       if kind is InputKind.TENSOR and p.meta.get("pp_token_dims"))
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or breaks.matches(node):
             continue
         if not _touches_tokens(node):
             continue
-        reason = _verdict(node, ctx, extra_safe, cap, decreases)
+        reason = _verdict(node, ctx, extra_safe, cap, decreases, lifted)
         if reason is not None:
             _flag(node, reason, ctx)
         elif op_name(node) in CONV_OPS and isinstance(tail := causal_conv_tail(node), Tail):

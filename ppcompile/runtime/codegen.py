@@ -239,7 +239,8 @@ def graph_forward_source(
     the bucket's table). ``pass_args``: hand each replay its arguments (a non-binding executor, or the
     debug address check). The steps of a graph-path call: copy the live inputs into their static buffers
     (zeroing the padding rows), replay graph segments, narrow what breaks and callers read to the live
-    size, run breaks on live tensors and copy what graphs read into static bridges. ``copies``: the
+    size, run breaks on live tensors and copy what graphs read into static bridges; last, copy each
+    input a graph wrote in place back into the caller's tensor. ``copies``: the
     functions that copy inputs and bridges (default :func:`copy_functions`; a profiler wraps them).
     ``fused``: each copy point is one call of its copier (``copiers[k]``, :func:`copy_points`), e.g.
     ``copiers[0]((v0, v1), (n0, n0), (b0, b0))``, instead of a copy and a zeroing per tensor; the
@@ -314,14 +315,17 @@ def graph_forward_source(
             else:
                 body.append(f"o = replay(({step.index}, b), ({args}))")
                 body += [f"static[{s}] = o[{i}]" for i, s in step.writes]
-            for s in step.live_views:
-                view(s)
+            for s in (*step.live_views, *step.writes_buffers):
+                view(s)  # a static value the graph wrote in place: read back from its buffer
             body += [f"v{s} = static[{s}]" for s in step.live_values]
         else:
             args = ", ".join(live(r.size) if r.size is not None else f"v{r.slot}" for r in step.args)
             body.append(_call_segment(step, args, names))
             if copied_after(step):
                 fill_point(copied_after(step), "bridge")
+    written_inputs = dict.fromkeys(s for st in program.steps if st.segment.is_graph
+                                   for s in st.writes_buffers if s < program.num_inputs)
+    body += [f"args[{s}].copy_(v{s})" for s in written_inputs]  # the caller's tensor, as eager writes it
     outputs = _outputs(program, live, names)
     header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers):"
     source = _function(header,

@@ -77,6 +77,10 @@ class Step:
     # read (an op updating ``residual`` in place): it writes the live tensor, so they are copied into
     # their static buffers again after it.
     refreshes: tuple[int, ...] = ()
+    # Graph steps: static values (lifted inputs, bridged break outputs) this graph writes in place, in
+    # their buffers. Breaks and outputs after it read the buffer's live view instead of the live tensor,
+    # and a written input is copied back into the caller's tensor at the end of the call.
+    writes_buffers: tuple[int, ...] = ()
     # (output index, slot) for the outputs someone reads.
     writes: tuple[tuple[int, int], ...] = ()
     # Per output, from the traced values: a tensor's size per dim, a number's value, or None.

@@ -1,7 +1,11 @@
-"""Break ops that write a static value in place: a lifted stage input (an op updating ``residual`` in
-place, as vLLM's ``fused_add_rms_norm`` does) or a bridged break output. On the graph path a break reads
-and writes live tensors while later graphs read static buffers, so each such value is copied into its
-buffer again after the break (``Step.refreshes``); the caller's tensor is written as in eager."""
+"""Ops that write a static value in place: a lifted stage input (an op updating ``residual`` in place, as
+vLLM's ``fused_add_rms_norm`` does) or a bridged break output, written by a break or by a graph.
+
+On the graph path a break reads and writes live tensors while graphs read static buffers. A value a break
+writes is copied into its buffer again after the break (``Step.refreshes``); a value a graph writes is
+read back from its buffer by the breaks and outputs after it (``Step.writes_buffers``), and an input is
+copied back into the caller's tensor at the end. Either way the caller's tensors end as eager leaves them.
+"""
 
 from __future__ import annotations
 
@@ -116,6 +120,22 @@ class RewrittenBridgeStage(torch.nn.Module):
         return y, y + residual
 
 
+class GraphRewritesBridgeStage(torch.nn.Module):
+    """break (``m = mix(h)``, bridged) | graph (``m.mul_(2)``: writes the bridge in place; side) |
+    break (``mix(m)``) | graph; returns ``m`` too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.side, self.down = (torch.nn.Linear(H, H) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = mix(torch.relu(self.up(x + residual)))
+        m.mul_(2)
+        y = self.side(m)
+        return self.down(mix(m)) + y, m
+
+
 def _runtime() -> Any:
     return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
 
@@ -155,12 +175,12 @@ def test_a_break_writing_a_lifted_input_in_place_refreshes_its_buffer(mode: str,
 
 
 @pytest.mark.parametrize(("mode", "compiler"), _modes_x_compilers(["emulate", "eager"], "eager"))
-def test_a_token_local_op_writing_the_stage_inputs_runs_as_a_break_and_graphs_read_its_writes(
+def test_a_token_local_op_writing_the_stage_inputs_stays_in_the_graph_and_its_writes_reach_everyone(
     mode: str, compiler: str
 ) -> None:
-    """Registered token-local, the op still writes graph inputs: inside a graph it would write the static
-    copies (the caller's tensors and the break reading ``x`` would see the old values). It runs as a
-    break on the live tensors, and the graph after it reads ``residual`` refreshed."""
+    """Registered token-local, the op writes the stage's inputs inside the first graph, that is their
+    static buffers: the break after it reads ``x`` from the buffer, and both inputs are copied back into
+    the caller's tensors (``_compare`` checks them against eager's)."""
     device = "cuda" if mode == "cuda" else "cpu"
     m = ReceivingLayerStage().to(device)
     c = torch.compile(m, backend="pp_breakable", options=_options(mode, compiler))
@@ -169,9 +189,9 @@ def test_a_token_local_op_writing_the_stage_inputs_runs_as_a_break_and_graphs_re
             _compare(c, m, n, i, device)
     program = _runtime().program
     first = program.steps[0]
-    assert not first.segment.is_graph and "writes in place into graph input" in first.segment.reason.detail
-    residual_slot = next(s for s, (name, _) in program.input_layouts.items() if "residual" in name)
-    assert first.refreshes == (residual_slot,)  # x is read by the break only (up and mix fold into it)
+    written = [program.input_layouts[s][0].lower() for s in first.writes_buffers]
+    assert first.segment.is_graph and written == ["l_x_", "l_residual_"], written
+    assert [r.op for r in _runtime().break_reasons] == ["pptest_inplace.mix.default"]
 
 
 @pytest.mark.parametrize("mode", ["emulate", "eager", CUDA])
@@ -212,3 +232,37 @@ def test_without_the_refresh_later_graphs_read_the_stale_input(monkeypatch: pyte
             ppcompile.mark_token_dynamic(*mine)
             got = c(*mine)[0]
         assert not torch.allclose(got, m(x, r)[0], atol=1e-3)
+
+
+@pytest.mark.parametrize(("mode", "compiler"), _modes_x_compilers(["emulate", "eager"], "inductor"))
+def test_a_graph_writing_a_bridged_value_in_place_is_read_back_by_the_break_after_it(
+    mode: str, compiler: str
+) -> None:
+    """The bridge holds a copy of the break's output: after the graph doubles it there, the next break
+    and the stage's output read the doubled rows from the bridge, not the break's own tensor."""
+    device = "cuda" if mode == "cuda" else "cpu"
+    m = GraphRewritesBridgeStage().to(device)
+    c = torch.compile(m, backend="pp_breakable", options=_options(mode, compiler, fold_graph_ops=0))
+    with torch.no_grad(), ppcompile.counters.expect(replays=6):
+        for i, n in enumerate(COUNTS):
+            _compare(c, m, n, i, device)
+    program = _runtime().program
+    (writer,) = [st for st in program.steps if st.writes_buffers]
+    assert writer.segment.is_graph and writer.writes_buffers == tuple(program.bridge_buffers)[:1]
+
+
+def test_without_reading_back_a_graphs_writes_the_break_after_it_reads_stale_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``writes_buffers`` prevents: the next break and the output read the break's own tensor."""
+    monkeypatch.setattr("ppcompile.lowering.program._written_args", lambda submod: set())
+    m = GraphRewritesBridgeStage()
+    c = torch.compile(m, backend="pp_breakable", options=_options("emulate", "eager", fold_graph_ops=0))
+    with torch.no_grad(), ppcompile.counters.expect(replays=2):
+        for _ in range(2):  # the first call captures
+            x, r = torch.randn(5, H), torch.randn(5, H)
+            mine = (x.clone(), r.clone())
+            ppcompile.mark_token_dynamic(*mine)
+            got = c(*mine)
+        want = m(x, r)
+    assert not torch.allclose(got[1], want[1], atol=1e-3) and not torch.allclose(got[0], want[0], atol=1e-3)
