@@ -191,6 +191,8 @@ def test_a_token_local_op_writing_the_stage_inputs_stays_in_the_graph_and_its_wr
     first = program.steps[0]
     written = [program.input_layouts[s][0].lower() for s in first.writes_buffers]
     assert first.segment.is_graph and written == ["l_x_", "l_residual_"], written
+    (segment,) = [s for s in build_report(_runtime())["segments"] if s["index"] == first.index]
+    assert segment["writes_in_place"] == [program.input_buffers[s].name for s in first.writes_buffers]
     assert [r.op for r in _runtime().break_reasons] == ["pptest_inplace.mix.default"]
 
 
