@@ -216,19 +216,13 @@ def test_attention_with_output_writes_what_attention_returns() -> None:
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
-def test_a_stage_with_out_variant_attention_equals_the_functional_one() -> None:
+@pytest.mark.parametrize("option", ["attention_with_output", "in_place_norm"])
+def test_a_stage_with_an_in_place_variant_equals_the_functional_one(option: str) -> None:
+    """The out-variant attention and the in-place norm compute exactly what the functional ops do."""
     cfg = DENSE.replace(num_layers=4)
     seq_lens = [3, 6]
     functional = _run_chain(cfg, 2, seq_lens)
-    torch.testing.assert_close(_run_chain(cfg.replace(attention_with_output=True), 2, seq_lens), functional,
-                               rtol=0, atol=0)
-
-
-def test_a_stage_with_the_in_place_norm_equals_the_functional_one() -> None:
-    cfg = DENSE.replace(num_layers=4)
-    seq_lens = [3, 6]
-    functional = _run_chain(cfg, 2, seq_lens)
-    torch.testing.assert_close(_run_chain(cfg.replace(in_place_norm=True), 2, seq_lens), functional,
+    torch.testing.assert_close(_run_chain(cfg.replace(**{option: True}), 2, seq_lens), functional,
                                rtol=0, atol=0)
 
 

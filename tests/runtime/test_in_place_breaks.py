@@ -120,14 +120,9 @@ class RewrittenBridgeStage(torch.nn.Module):
         return y, y + residual
 
 
-class GraphRewritesBridgeStage(torch.nn.Module):
+class GraphRewritesBridgeStage(RewrittenBridgeStage):
     """break (``m = mix(h)``, bridged) | graph (``m.mul_(2)``: writes the bridge in place; side) |
     break (``mix(m)``) | graph; returns ``m`` too."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.up, self.side, self.down = (torch.nn.Linear(H, H) for _ in range(3))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = mix(torch.relu(self.up(x + residual)))
