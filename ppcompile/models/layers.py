@@ -19,14 +19,20 @@ from ppcompile.models.config import ModelConfig
 __all__ = ["MLP", "Attention", "DecoderLayer", "MoE", "PPMissingLayer", "RMSNorm", "RotaryEmbedding"]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` normalised by its root mean square over the last dim (in float32), times ``weight``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * weight
+
+
 @torch.library.custom_op("ppcompile::fused_add_rms_norm", mutates_args=("x", "residual"))
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """vLLM's ``fused_add_rms_norm`` in torch ops: ``residual += x``, then ``x = rms_norm(residual) *
     weight``, both in place. Row-local, so registered token-local: it stays in graphs, also where it writes
     what the stage received (``pp_breakable`` copies those writes back into the caller's tensors)."""
     residual.add_(x)
-    rf = residual.float()
-    x.copy_((rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight)
+    x.copy_(rms_norm(residual, weight, eps))
 
 
 @fused_add_rms_norm.register_fake
@@ -50,9 +56,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
