@@ -17,6 +17,7 @@ from mixer_stage import mix_rows, register_mixer
 
 import ppcompile
 from ppcompile.debug.report import build_report
+from ppcompile.models.layers import fused_add_rms_norm
 
 H = 8
 SIZES = [4, 8, 16]
@@ -46,19 +47,6 @@ def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     return None
 
 
-@torch.library.custom_op("pptest_inplace::add_rms_norm_", mutates_args=("x", "residual"))
-def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
-    """vLLM's ``fused_add_rms_norm``: ``residual += x``, ``x = rms_norm(residual) * weight``, both in
-    place; row-local, so a user may register it token-local."""
-    residual.add_(x)
-    x.copy_(residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * weight)
-
-
-@add_rms_norm_.register_fake
-def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
-    return None
-
-
 mix = register_mixer("pptest_inplace::mix", lambda x: None)
 
 
@@ -73,7 +61,6 @@ def _(x: torch.Tensor, by: torch.Tensor) -> None:
 
 
 SPLIT_OPS = ["pptest_inplace::add_norm_", "pptest_inplace::mix", "pptest_inplace::scale_by_"]
-TOKEN_LOCAL_OPS = ["pptest_inplace::add_rms_norm_"]
 
 
 class AddNormStage(torch.nn.Module):
@@ -94,11 +81,12 @@ class AddNormStage(torch.nn.Module):
 
 
 class ReceivingLayerStage(AddNormStage):
-    """A non-first PP stage's first layer, as vLLM writes it: ``add_rms_norm_(x, residual)`` on the two
+    """A non-first PP stage's first layer, as vLLM writes it: ``fused_add_rms_norm(x, residual)`` (the
+    reference models' op, registered token-local) on the two
     tensors the previous stage sent, then graph (up) | break (mix) | graph (down, reads residual)."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        add_rms_norm_(x, residual, self.weight)
+        fused_add_rms_norm(x, residual, self.weight, 1e-6)
         h = mix(self.up(x))
         return self.down(h) + residual, residual
 
@@ -148,7 +136,7 @@ def _compare(c: Any, m: torch.nn.Module, n: int, seed: int, device: str) -> None
 
 def _options(mode: str, compiler: str, **extra: Any) -> dict[str, Any]:
     return {"graph_mode": mode, "segment_compiler": compiler, "capture_sizes": SIZES, "split_ops": SPLIT_OPS,
-            "token_local_ops": TOKEN_LOCAL_OPS, **extra}
+            **extra}
 
 
 @pytest.mark.parametrize(("mode", "compiler"), _modes_x_compilers(["emulate", "eager", "none"], "inductor"))
