@@ -21,6 +21,7 @@ import torch
 from ppcompile.debug.capture import capture_records
 from ppcompile.debug.dumps import distributed_rank, emit_artifact, stage_dir, write_graph, write_text
 from ppcompile.debug.memory import SegmentMemory, memory_section, segment_memory
+from ppcompile.runtime.codegen import copied_after, graph_forward_source, replay_passes_args
 from ppcompile.runtime.executors import EXECUTORS
 from ppcompile.torch_internals import compile_id
 
@@ -91,8 +92,6 @@ def on_stage_compiled(runtime: StageRuntime, split: torch.fx.GraphModule, ctx: P
 def runtime_code(runtime: StageRuntime) -> str:
     """The per-call code the runtime generated for the stage (``runtime/codegen.py``): the live path
     and, for a graph mode with graphs, the graph path its executor uses."""
-    from ppcompile.runtime.codegen import graph_forward_source, replay_passes_args
-
     parts = [f"# ppcompile: code generated for each call of {runtime.name} (it calls the segments of "
              "split_module.py; call_<i> is step i)", "",
              "# live path: graph_mode='none', above the capture cap, autograd on, a stage never graphed",
@@ -185,7 +184,7 @@ def _buffers(runtime: StageRuntime) -> tuple[list[dict[str, Any]], dict[int, str
             "bytes": buf.nbytes,
             "read_by": [st.segment.name for st in program.steps
                         if st.segment.is_graph and any(r.slot == slot for r in st.args)],
-            "written_by": [st.segment.name for st in program.steps if slot in (*st.bridges, *st.refreshes)],
+            "written_by": [st.segment.name for st in program.steps if slot in copied_after(st)],
         })
     return buffers, names
 
@@ -221,7 +220,7 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageI
             },
             "reads_static": [buffer_names[r.slot] for r in step.args
                              if seg.is_graph and r.slot in buffer_names],
-            "writes_static": [buffer_names[s] for s in (*step.bridges, *step.refreshes) if s in buffer_names],
+            "writes_static": [buffer_names[s] for s in copied_after(step) if s in buffer_names],
             "writes_in_place": [*(_produced_by(runtime.program, s) for s in step.in_place),
                                 *(buffer_names[s] for s in step.writes_buffers if s in buffer_names)],
             "output_bytes_at_cap": mem.output_bytes(cap) if mem else None,

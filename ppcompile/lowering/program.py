@@ -125,6 +125,7 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
     input_buffers = {
         slots[n]: n.meta["pp_static_buffer"] for n in placeholders if "pp_static_buffer" in n.meta
     }
+    buffered = input_buffers.keys() | bridge_buffers.keys()
     finished = []
     for st in steps:
         written = [st.args[i].slot for i in sorted(_written_args(getattr(split, st.segment.name)))]
@@ -134,15 +135,14 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
             numbers = tuple(s for s in read if s not in tensors)
             finished.append(dataclasses.replace(
                 st, live_views=tensors, live_values=numbers,
-                writes_buffers=tuple(s for s in written if s in input_buffers or s in bridge_buffers)))
+                writes_buffers=tuple(s for s in written if s in buffered)))
         else:
             bridges = tuple(s for s in st.out_slots if s in graph_reads)
             read_later = {a.slot for later in steps[st.index + 1:] if later.segment.is_graph
                           for a in later.args}
             finished.append(dataclasses.replace(
                 st, bridges=bridges, in_place=tuple(s for s in written if s in graph_outputs),
-                refreshes=tuple(s for s in written if s in read_later
-                                and (s in input_buffers or s in bridge_buffers))))
+                refreshes=tuple(s for s in written if s in read_later and s in buffered)))
     return Program(
         num_slots=len(slots),
         num_inputs=len(placeholders),
