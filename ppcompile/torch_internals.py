@@ -19,9 +19,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import sympy
 import torch
 
+from ppcompile.errors import add_note
+
 __all__ = [
     "C_SCALED_DOT_PRODUCT_ATTENTION", "OpOverload", "OpOverloadPacket", "TorchInternalsError",
-    "compile_id", "current_shape_env", "custom_op_module", "dynamo_compile_start_ns", "floats_specialized",
+    "compile_id", "cuda_graph_capture", "current_shape_env", "custom_op_module", "dynamo_compile_start_ns",
+    "floats_specialized",
     "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol", "mark_dynamic",
     "raise_recompile_limit", "register_backend", "reset_dynamo", "restart_analysis",
     "restart_with_floats_specialized", "shape_env_facts", "shape_env_guards", "shape_env_hints",
@@ -106,6 +109,34 @@ def storage_from_data_pointer(ptr: int, device: torch.device, nbytes: int) -> to
     make = _lookup("torch._C", "_construct_storage_from_data_pointer", "for non-owning output views")
     storage: torch.UntypedStorage = make(ptr, device, nbytes)
     return storage
+
+
+@contextlib.contextmanager
+def cuda_graph_capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
+    """Captures the CUDA work of the block into ``graph`` on ``stream``, its memory from ``pool``.
+
+    ``torch.cuda.graph`` without what its entry does on every capture in torch 2.11 to 2.13
+    (``synchronize()``, ``empty_cache()``, the pinned host cache flush): over a ladder of buckets that is
+    a flush per (segment, bucket); the caller flushes once per run of captures instead. An error raised
+    in the block propagates as it is: the ``capture_end`` after a capture the block invalidated raises an
+    error of its own ("operation not permitted when stream is capturing"), added to the block's as a
+    note instead of replacing it. Capture mode ``"global"``, torch's default: an unsafe CUDA call from any
+    thread during the capture fails it, rather than corrupting it."""
+    why = "to capture CUDA graphs"
+    begin = _attr(graph, "capture_begin", "torch.cuda.CUDAGraph", why)
+    end = _attr(graph, "capture_end", "torch.cuda.CUDAGraph", why)
+    with torch.cuda.stream(stream):
+        begin(pool=pool, capture_error_mode="global")
+        try:
+            yield
+        except BaseException as e:
+            try:
+                end()
+            except Exception as end_error:  # the capture the block broke cannot end cleanly
+                add_note(e, f"(ending the broken capture then failed too: {type(end_error).__name__}: "
+                            f"{end_error})")
+            raise
+        end()
 
 
 def mark_dynamic(t: torch.Tensor, dim: int) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ppcompile.runtime.program import strides_match
-from ppcompile.torch_internals import has_internal_overlap, storage_from_data_pointer
+from ppcompile.torch_internals import cuda_graph_capture, has_internal_overlap, storage_from_data_pointer
 
 __all__ = [
     "EXECUTORS",
@@ -96,6 +96,11 @@ class GraphExecutor(abc.ABC):
     def capture_session(self) -> contextlib.AbstractContextManager[None]:
         """Wraps a run of captures (every bucket of a stage)."""
         return contextlib.nullcontext()
+
+    def trial(self, run: Callable[[], Any]) -> None:
+        """Runs ``run`` under the conditions of a capture, keeping nothing (to find what fails in a
+        segment whose capture failed); plain executors just run it."""
+        run()
 
     def bucket_captured(self, bucket: int) -> dict[int, Any]:
         """Every graph segment of ``bucket`` is captured. Returns replacements, by ``id``, for graph
@@ -249,48 +254,74 @@ def non_owning(t: torch.Tensor) -> torch.Tensor:
 
 
 class CudaGraphExecutor(GraphExecutor):
-    """CUDA graphs in one shared pool; the runtime captures the largest bucket first."""
+    """CUDA graphs in one shared pool on the stage's device; the runtime captures the largest bucket
+    first.
+
+    Per (segment, bucket): warm-ups on the side stream, the capture on the same stream, then one replay.
+    A capture records kernels without running them, so until that replay the segment's outputs hold
+    whatever the pool's memory held; the next segment's warm-ups read them, and an index read from
+    uninitialised memory (top-k ids, slot ids crossing segments) faults the device, an error that kills
+    the process. Captures do not synchronize or flush the allocator's cache each (``torch.cuda.graph``
+    does, torch_internals.cuda_graph_capture): a run of captures flushes once, at its start.
+    """
 
     name = "cuda"
     shares_outputs = True
 
-    def __init__(self, debug: bool = False, num_warmup: int = 2) -> None:
+    def __init__(self, debug: bool = False, num_warmup: int = 2, device: torch.device | None = None) -> None:
         super().__init__(debug)
         self.num_warmup = num_warmup
-        self.pool = torch.cuda.graph_pool_handle()
-        self._stream: Any = None
+        # The stage's device, not whichever is current when the stage is first called.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        with torch.cuda.device(self.device):
+            self.pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream()
 
     @contextlib.contextmanager
     def capture_session(self) -> Iterator[None]:
-        """Collects garbage once, then keeps the collector off for the whole run of captures: with a
-        graph per (segment, bucket), collections in between would dominate capture time (vLLM and
-        SGLang freeze the collector during capture too)."""
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            yield
-        finally:
-            if was_enabled:
-                gc.enable()
+        """A run of captures (every bucket of a stage) on the stage's device: garbage collected and the
+        allocator's cache flushed once at the start (blocks cached by eager work go back, so the graph
+        pool can take that memory), then the collector kept off: with a graph per (segment, bucket),
+        collections in between would dominate capture time (vLLM and SGLang freeze it too)."""
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            gc.collect()
+            torch.cuda.empty_cache()
+            was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                yield
+            finally:
+                if was_enabled:
+                    gc.enable()
 
     def capture(
         self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None,
         strides: OutputStrides | None = None,
     ) -> tuple[Any, ...]:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.num_warmup):
-                fn(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            outputs = tuple(fn(*args))
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream()
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for _ in range(self.num_warmup):
+                    fn(*args)
+            graph = torch.cuda.CUDAGraph()
+            with cuda_graph_capture(graph, self.pool, stream):
+                outputs = tuple(fn(*args))
+            with torch.cuda.stream(stream):
+                graph.replay()  # the outputs get values before anything reads them (see the class doc)
+            current.wait_stream(stream)
         self._captured[key] = _Captured(fn, tuple(args), outputs, graph)
         return outputs
+
+    def trial(self, run: Callable[[], Any]) -> None:
+        """Runs ``run`` as a capture would (its failure diagnosed: ``capture_diagnosis``), into a graph
+        that is dropped."""
+        with torch.cuda.device(self.device):
+            with cuda_graph_capture(torch.cuda.CUDAGraph(), self.pool, self._stream):
+                run()
+            torch.cuda.current_stream().wait_stream(self._stream)
 
     def bucket_captured(self, bucket: int) -> dict[int, Any]:
         """Holds ``bucket``'s graph outputs (and later graphs' reads of them) through non-owning
@@ -323,8 +354,11 @@ EXECUTORS: dict[str, type[GraphExecutor]] = {
 """The executor class of each resolved graph mode (``none`` has none: it captures nothing)."""
 
 
-def make_executor(mode: str, debug: bool) -> GraphExecutor:
-    """The executor for a resolved graph mode: ``cuda``, ``emulate`` or ``eager``."""
+def make_executor(mode: str, debug: bool, device: torch.device | None = None) -> GraphExecutor:
+    """The executor for a resolved graph mode: ``cuda`` (its graphs on ``device``; None: the current
+    CUDA device), ``emulate`` or ``eager``."""
+    if mode == "cuda":
+        return CudaGraphExecutor(debug, device=device)
     cls = EXECUTORS.get(mode)
     if cls is None:
         raise ValueError(f"pp_breakable: no executor for graph mode {mode!r}")
