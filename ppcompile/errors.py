@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["add_note"]
+from typing import Any
+
+__all__ = ["add_note", "source_line"]
 
 
 def add_note(e: BaseException, note: str) -> None:
@@ -11,3 +13,10 @@ def add_note(e: BaseException, note: str) -> None:
     add = getattr(e, "add_note", None)
     if add is not None:
         add(note)
+
+
+def source_line(node: Any) -> str:
+    """The innermost user frame of an FX node's stack trace (``File "...", line N, in f``), if any."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+    return frames[-1] if frames else "(no source line recorded)"

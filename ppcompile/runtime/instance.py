@@ -20,13 +20,14 @@ import sympy
 import torch
 
 from ppcompile.counters import counters
+from ppcompile.runtime.capture_diagnosis import describe_node, failing_node
 from ppcompile.runtime.codegen import copy_points
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.executors import GraphExecutor, make_executor
 from ppcompile.runtime.fused_copy import RowCopier, make_row_copier
 from ppcompile.runtime.layout_checks import check_static_layout
 from ppcompile.runtime.observer import CaptureObserver
-from ppcompile.runtime.program import TensorLayout
+from ppcompile.runtime.program import Step, TensorLayout
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import allocate, bucket_view
 
@@ -46,9 +47,9 @@ class StageInstance:
         self._compiled = compiled
         self._static_layouts = static_layouts
         self._token_strided = token_strided  # buffers viewed per bucket with that bucket's strides
-        self.executor: GraphExecutor = make_executor(compiled.graph_mode, debug)
         # Strong references: the graphs read them (and bake scalars).
         self.module_state = tuple(args[i] for i in (*compiled.state_slots, *compiled.scalar_slots))
+        self.executor: GraphExecutor = make_executor(compiled.graph_mode, debug, self._device())
         self._input_buffers = {s: self._allocate(s, spec, env_max)
                                for s, spec in program.input_buffers.items()}
         self._bridge_buffers = {s: self._allocate(s, spec, env_max)
@@ -115,6 +116,13 @@ class StageInstance:
         return copiers
 
     # ----------------------------------------------------------------------------------- capture
+    def _device(self) -> torch.device | None:
+        """Where the stage's graphs run: its static buffers' device, else its parameters'."""
+        program = self._compiled.program
+        for spec in (*program.input_buffers.values(), *program.bridge_buffers.values()):
+            return spec.device
+        return next((t.device for t in self.module_state if isinstance(t, torch.Tensor)), None)
+
     def _allocate(self, slot: int, spec: Any, env_max: dict[sympy.Symbol, int]) -> torch.Tensor:
         """The static buffer of ``slot`` in the layout its graph segments were compiled for, at the
         largest bucket (``static_buffers.allocate``)."""
@@ -136,10 +144,7 @@ class StageInstance:
         """Captures each graph segment at each of ``buckets`` in order (all, or until ``budget_s`` is
         spent after the first), filling ``tables``; raises on the first failure. ``env``: the call's
         symbols (the token symbol is set per bucket); ``observer`` is told about the run."""
-        compiled = self._compiled
-        program, token = compiled.program, compiled.token_symbol
-        assert token is not None
-        graph_steps = [st for st in program.steps if st.segment.is_graph]
+        graph_steps = [st for st in self._compiled.program.steps if st.segment.is_graph]
         start = time.perf_counter()
         held = (*self._input_buffers.values(), *self._bridge_buffers.values(), *self.module_state)
         recorder = observer(runtime, len(graph_steps), held, start, len(buckets))
@@ -148,42 +153,62 @@ class StageInstance:
                 for b in buckets:
                     if self.tables and budget_s is not None and time.perf_counter() - start > budget_s:
                         break
-                    env[token] = b
-                    table: list[Any] = [None] * program.num_slots
-                    for i in (*compiled.state_slots, *compiled.scalar_slots):
-                        table[i] = args[i]
-                    for s, buf in (*self._input_buffers.items(), *self._bridge_buffers.items()):
-                        table[s] = self._bucket_view(s, buf, env)
-                        if s in self._static_layouts:
-                            check_static_layout(*self._static_layouts[s], table[s], env, b)
-                    for st in graph_steps:
-                        sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
-                        try:
-                            outs = self.executor.capture((st.index, b), st.fn, sargs, st.output_shapes(env),
-                                                         st.output_strides(env))
-                        except Exception as e:
-                            raise RuntimeError(
-                                f"pp_breakable: capturing segment {st.segment.name} of {compiled.name} for "
-                                f"bucket {b} failed: {type(e).__name__}: {e}"
-                            ) from e
-                        counters.captures += 1
-                        for s, o in zip(st.out_slots, outs):
-                            if s >= 0:
-                                table[s] = o
-                    swap = self.executor.bucket_captured(b)
-                    if swap:  # drop the instance's own references to the bucket's graph outputs
-                        table = [swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in table]
-                        del outs, sargs
-                    if not self.executor.binds_inputs:
-                        # Replays return fresh outputs: the capture run's are not worth keeping.
-                        for st in graph_steps:
-                            for s in st.out_slots:
-                                if s >= 0:
-                                    table[s] = None
-                    self.tables[b] = table
+                    self.tables[b] = self._capture_bucket(args, env, b, graph_steps)
                     self.storages = None  # static memory grew: the aliased-input check recomputes it
-                    recorder.bucket_done(b, table)
+                    recorder.bucket_done(b, self.tables[b])
         except BaseException as e:
             recorder.abort(e)
             raise
         recorder.finish()  # logs the capture time and memory; rewrites the stage report when dumping
+
+    def _capture_bucket(self, args: Sequence[Any], env: dict[sympy.Symbol, int], b: int,
+                        graph_steps: Sequence[Step]) -> list[Any]:
+        """Bucket ``b``'s slot table, every graph segment captured. Its own frame: once the executor
+        holds the bucket's graph outputs through non-owning tensors, no local of the loop keeps one
+        alive (the pool reuses their blocks for the next bucket's capture)."""
+        compiled = self._compiled
+        token = compiled.token_symbol
+        assert token is not None
+        env[token] = b
+        table: list[Any] = [None] * compiled.program.num_slots
+        for i in (*compiled.state_slots, *compiled.scalar_slots):
+            table[i] = args[i]
+        for s, buf in (*self._input_buffers.items(), *self._bridge_buffers.items()):
+            table[s] = self._bucket_view(s, buf, env)
+            if s in self._static_layouts:
+                check_static_layout(*self._static_layouts[s], table[s], env, b)
+        for st in graph_steps:
+            sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
+            try:
+                outs = self.executor.capture((st.index, b), st.fn, sargs, st.output_shapes(env),
+                                             st.output_strides(env))
+            except Exception as e:
+                raise RuntimeError(
+                    f"pp_breakable: capturing segment {st.segment.name} of {compiled.name} for bucket {b} "
+                    f"failed: {type(e).__name__}: {e}{self._where(st, sargs)}"
+                ) from e
+            counters.captures += 1
+            for s, o in zip(st.out_slots, outs):
+                if s >= 0:
+                    table[s] = o
+        swap = self.executor.bucket_captured(b)
+        if swap:  # the table holds the bucket's graph outputs through non-owning tensors too
+            table = [swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in table]
+        if not self.executor.binds_inputs:
+            # Replays return fresh outputs: the capture run's are not worth keeping.
+            for st in graph_steps:
+                for s in st.out_slots:
+                    if s >= 0:
+                        table[s] = None
+        return table
+
+    def _where(self, st: Step, sargs: Sequence[Any]) -> str:
+        """`` (at node ...)`` naming the node of ``st``'s FX graph whose op fails under capture, if any."""
+        module = getattr(self._compiled.split_module, st.segment.name, None)
+        if not isinstance(module, torch.fx.GraphModule):
+            return ""
+        try:
+            node = failing_node(module, sargs, self.executor.trial)
+        except Exception:  # a diagnosis must never hide the failure it explains
+            return ""
+        return "" if node is None else f" (at {describe_node(node)})"
