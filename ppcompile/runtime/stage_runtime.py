@@ -273,13 +273,14 @@ class StageRuntime(StageInspection):
 
     # ----------------------------------------------------------------------------------- capture
     def _state_key(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        # Graphs read module state in place and bake constant scalars (a norm's eps) at capture: key
-        # the captured graphs by the identity of the one and the value of the other, and by inference
-        # mode, whose tensors (static buffers, graph outputs) cannot be written outside it.
+        # Graphs read module state in place and bake constant host scalars (a norm's eps) at capture:
+        # key the captured graphs by the identity of the one and the value of the other, and by
+        # inference mode, whose tensors (static buffers, graph outputs) cannot be written outside it. A
+        # scalar on the device is read in place like state (and reading its value would sync per call).
         return (
             torch.is_inference_mode_enabled(),
             *map(id, [args[i] for i in self._state_slots]),
-            *[args[i].item() for i in self._scalar_slots],
+            *[a.item() if (a := args[i]).device.type == "cpu" else id(a) for i in self._scalar_slots],
         )
 
     def _state_for(self, args: tuple[Any, ...]) -> StageInstance:
