@@ -52,7 +52,7 @@ from ppcompile.runtime.fused_copy_triton import TritonRowCopier
 from ppcompile.runtime.static_buffers import non_overlapping
 
 __all__ = ["INT_TYPES", "KERNELS", "CopyMismatchError", "RowCopier", "TorchRowCopier", "TritonRowCopier",
-           "check_sources", "make_row_copier"]
+           "check_sources", "make_row_copier", "working_or_torch"]
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ def make_row_copier(
     """A copier bound to the static buffers ``dsts`` (largest bucket, any layout) with token dims ``dims``
     (None: a buffer copied whole). ``kernel``: ``"triton"`` (one launch per call; raises when Triton is
     missing or cannot run on the buffers' device: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"``
-    (two ops per buffer), ``"auto"`` (Triton on CUDA when it is importable and supports the buffers' dtypes
-    and layouts, else torch)."""
+    (two ops per buffer), ``"auto"`` (Triton on CUDA when it is importable, supports the buffers' dtypes
+    and layouts, and its kernel builds and launches: :func:`working_or_torch`; else torch)."""
     if kernel not in KERNELS:
         raise ValueError(f"make_row_copier: kernel={kernel!r}; expected one of {', '.join(KERNELS)}")
     buffers = _bind(dsts, dims)
@@ -95,13 +95,28 @@ def make_row_copier(
     reason, interpret = _triton_unsupported(buffers)
     if kernel == "auto":
         if reason is None and not interpret and buffers and buffers[0].device.type == "cuda":
-            return TritonRowCopier(buffers, interpret=False)
+            return working_or_torch(TritonRowCopier(buffers, interpret=False))
         if reason is not None:
             log.debug("row copier: per-tensor torch ops: %s", reason)
         return TorchRowCopier(buffers)
     if reason is not None:
         raise RuntimeError(f"make_row_copier(kernel='triton'): {reason}")
     return TritonRowCopier(buffers, interpret)
+
+
+def working_or_torch(copier: RowCopier) -> RowCopier:
+    """``copier``, once a call copying each of its buffers onto itself ran (the first call builds the
+    Triton kernel and its launcher: a compiler, Python headers and libcuda it needs, which can fail), or
+    the torch ops over the same buffers, with a warning, if that call raised."""
+    dsts = copier.dsts
+    rows = [d.shape[dim] if dim is not None else 1 for d, dim in zip(dsts, copier.dims)]
+    try:
+        copier(dsts, rows, rows)
+    except Exception as e:
+        log.warning("row copier: the %s kernel failed its first call (%s: %s); copying with torch ops "
+                    "instead (copy_kernel='torch' skips the attempt)", copier.kernel, type(e).__name__, e)
+        return TorchRowCopier(copier.buffers)
+    return copier
 
 
 def _triton_unsupported(buffers: Sequence[Buffer]) -> tuple[str | None, bool]:

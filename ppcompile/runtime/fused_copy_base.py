@@ -100,6 +100,10 @@ class RowCopier:
         self._buffers = buffers
 
     @property
+    def buffers(self) -> tuple[Buffer, ...]:
+        return self._buffers
+
+    @property
     def dsts(self) -> tuple[torch.Tensor, ...]:
         return tuple(b.dst for b in self._buffers)
 
