@@ -10,6 +10,9 @@ import torch._inductor.config
 
 import ppcompile
 
+# The strict CUDA-capture double (tests/cuda_double.py) as the ``strict_cuda`` fixture.
+pytest_plugins = ["cuda_double"]
+
 
 @pytest.fixture(autouse=True)
 def _reset_counters() -> Iterator[None]:

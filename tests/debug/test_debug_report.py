@@ -130,6 +130,9 @@ def test_cuda_report_has_measured_memory(tmp_path: Path, capsys: pytest.CaptureF
     assert r["graph_mode"] == "cuda" and r["captures"]["count"] == 6
     mem = r["memory"]
     assert mem["measured_graph_bytes"] is not None and mem["measured_graph_bytes"] >= 0
-    assert mem["captured_output_bytes"] == mem["graph_output_bytes"]  # the estimate, exactly, on a GPU too
+    # The largest bucket's outputs, then whatever of the smaller buckets' the pool placed apart from them
+    # (where a block is reused depends on the allocator): between the estimate and no sharing at all.
+    buckets = len(r["captures"]["runs"][0]["buckets"])
+    assert mem["graph_output_bytes"] <= mem["captured_output_bytes"] <= buckets * mem["graph_output_bytes"]
     assert all(b["pool_bytes"] is not None for b in r["captures"]["runs"][0]["buckets"])
     assert "measured (CUDA) -" not in capsys.readouterr().out  # the table prints the measured bytes

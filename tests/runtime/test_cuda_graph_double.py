@@ -1,144 +1,38 @@
-"""``CudaGraphExecutor`` on CPU, with the CUDA graph API replaced by a recording fake.
+"""``CudaGraphExecutor`` and the CUDA path of the runtime on CPU, under the strict capture double.
 
-The fake ``torch.cuda.graph`` context records every aten op run during capture (op, args, kwargs,
-outputs) with a ``TorchDispatchMode``; the fake ``CUDAGraph.replay()`` re-runs them in order and copies
-each result into the recorded output tensors. That is what a real graph does: it replays fixed kernels on
-fixed addresses. So replays are numerically checkable, and a runtime that let a graph read anything but
-its captured tensors would give wrong answers here.
+``tests/cuda_double.py`` replaces torch's CUDA graph API: a capture records aten ops without running them
+(its outputs hold garbage until a replay), raises on what real capture rejects, and a replay runs the
+record on the captured tensors. So replays are numerically checkable, and a runtime that reads a
+capture's outputs before a replay, or lets a graph read anything but its captured tensors, fails here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from cuda_double import CaptureViolation, StrictCuda
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import ppcompile
 from ppcompile import counters
-from ppcompile.backends import pp_breakable as backend
-from ppcompile.runtime.executors import CudaGraphExecutor, ReplayAddressError, make_executor, non_owning
+from ppcompile.runtime.executors import (
+    CudaGraphExecutor,
+    ReplayAddressError,
+    _Captured,
+    make_executor,
+    non_owning,
+)
 
 H = 8
 SIZES = [4, 8, 16]
 
 
-# ----------------------------------------------------------------------------------------- fake CUDA API
-class _Recorder(TorchDispatchMode):
-    def __init__(self, graph: FakeGraph) -> None:
-        super().__init__()
-        self.graph = graph
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.graph.ops.append((func, args, kwargs, out))
-        return out
-
-
-class FakeGraph:
-    def __init__(self, api: FakeCuda) -> None:
-        self.api = api
-        self.ops: list[tuple[Any, Any, Any, Any]] = []
-        self.replays = 0
-        self.pool: Any = None
-        self.stream: Any = None
-        api.graphs.append(self)
-
-    def replay(self) -> None:
-        self.replays += 1
-        for func, args, kwargs, out in self.ops:
-            res = func(*args, **kwargs)
-            for o, r in zip(tree_leaves(out), tree_leaves(res)):
-                if isinstance(o, torch.Tensor) and o is not r:
-                    o.copy_(r)
-
-
-class FakeStream:
-    def __init__(self, api: FakeCuda, name: str) -> None:
-        self.api = api
-        self.name = name
-        self.waited_on: list[FakeStream] = []
-
-    def wait_stream(self, other: FakeStream) -> None:
-        self.api.events.append(f"{self.name}.wait_stream({other.name})")
-        self.waited_on.append(other)
-
-
-@dataclasses.dataclass
-class FakeCuda:
-    """Records what the executor asks of the CUDA API."""
-
-    events: list[str] = dataclasses.field(default_factory=list)
-    graphs: list[FakeGraph] = dataclasses.field(default_factory=list)
-    pools: list[Any] = dataclasses.field(default_factory=list)
-    streams: list[FakeStream] = dataclasses.field(default_factory=list)
-    capturing: bool = False
-    stream_stack: list[FakeStream] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.default = FakeStream(self, "default")
-
-    def install(self, mp: pytest.MonkeyPatch) -> None:
-        api = self
-
-        def graph_pool_handle() -> Any:
-            handle = ("pool", len(api.pools))
-            api.pools.append(handle)
-            return handle
-
-        def new_stream(*args: Any, **kwargs: Any) -> FakeStream:
-            s = FakeStream(api, f"side{len(api.streams)}")
-            api.streams.append(s)
-            return s
-
-        @contextlib.contextmanager
-        def stream(s: FakeStream) -> Iterator[None]:
-            api.events.append(f"enter stream {s.name}")
-            api.stream_stack.append(s)
-            try:
-                yield
-            finally:
-                api.stream_stack.pop()
-                api.events.append(f"exit stream {s.name}")
-
-        def current_stream(*args: Any) -> FakeStream:
-            return api.stream_stack[-1] if api.stream_stack else api.default
-
-        @contextlib.contextmanager
-        def graph(g: FakeGraph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
-            assert not api.capturing, "nested capture"
-            g.pool, g.stream = pool, stream
-            api.events.append("begin capture")
-            api.capturing = True
-            api.stream_stack.append(stream if stream is not None else api.default)
-            try:
-                with _Recorder(g):
-                    yield
-            finally:
-                api.stream_stack.pop()
-                api.capturing = False
-                api.events.append("end capture")
-
-        mp.setattr(torch.cuda, "graph_pool_handle", graph_pool_handle)
-        mp.setattr(torch.cuda, "Stream", new_stream)
-        mp.setattr(torch.cuda, "stream", stream)
-        mp.setattr(torch.cuda, "current_stream", current_stream)
-        mp.setattr(torch.cuda, "CUDAGraph", lambda *a, **k: FakeGraph(api))
-        mp.setattr(torch.cuda, "graph", graph)
-
-
 @pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    api = FakeCuda()
-    api.install(monkeypatch)
-    return api
+def cuda(strict_cuda: StrictCuda) -> StrictCuda:
+    return strict_cuda
 
 
 @pytest.fixture(autouse=True)
@@ -157,42 +51,60 @@ W = torch.arange(12.0).view(4, 3) / 10
 class _Segment:
     """A toy graph segment that logs, per call, whether a capture was in progress and on which stream."""
 
-    def __init__(self, api: FakeCuda) -> None:
+    def __init__(self, api: StrictCuda) -> None:
         self.api = api
         self.calls: list[tuple[bool, str]] = []
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         stream = self.api.stream_stack[-1].name if self.api.stream_stack else "default"
-        self.calls.append((self.api.capturing, stream))
+        self.calls.append((self.api.capturing is not None, stream))
         y = torch.relu(x @ w)
         return y, y.sum(dim=1, keepdim=True) * n
 
 
-def test_make_executor_cuda_takes_one_pool(cuda: FakeCuda) -> None:
+def test_make_executor_cuda_takes_one_pool(cuda: StrictCuda) -> None:
     ex = make_executor("cuda", False)
     assert isinstance(ex, CudaGraphExecutor) and ex.pool == cuda.pools[0] and len(cuda.pools) == 1
     assert ex.num_warmup >= 1
 
 
-def test_warmup_runs_before_capture_on_a_side_stream(cuda: FakeCuda) -> None:
+def test_warmup_then_capture_then_one_replay_on_a_side_stream(cuda: StrictCuda) -> None:
     ex = CudaGraphExecutor(num_warmup=3)
     seg = _Segment(cuda)
     x = torch.randn(8, 4)
-    ex.capture((0, 8), seg, (x, W, 8))
+    y, _ = ex.capture((0, 8), seg, (x, W, 8))
     side = cuda.streams[0].name
     assert seg.calls == [(False, side)] * 3 + [(True, side)]
     assert cuda.events == [
         f"{side}.wait_stream(default)",
-        f"enter stream {side}", f"exit stream {side}",
+        f"enter stream {side}", f"exit stream {side}",  # warm-ups
+        f"enter stream {side}", "begin capture", "end capture", f"exit stream {side}",
+        f"enter stream {side}", f"exit stream {side}",  # the replay that gives the outputs values
         f"default.wait_stream({side})",
-        "begin capture", "end capture",
     ]
     (g,) = cuda.graphs
     assert g.stream is cuda.streams[0]  # captured on the side stream, never on the default stream
-    assert g.replays == 0 and g.ops
+    assert g.replays == 1 and g.ops
+    torch.testing.assert_close(y, torch.relu(x @ W))  # not the garbage the capture left
+    assert cuda.flushes == 0 and cuda.syncs == 0  # a capture alone neither flushes nor syncs
 
 
-def test_every_capture_uses_the_same_pool_and_stream(cuda: FakeCuda) -> None:
+def test_a_capture_alone_leaves_garbage_in_its_outputs(cuda: StrictCuda) -> None:
+    """The double's capture runs nothing: what the executor's replay after capture is for."""
+    g = torch.cuda.CUDAGraph()
+    x = torch.arange(6.0).view(2, 3)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        g.capture_begin()
+        y = x * 2
+        i = x.long() + 1
+        g.capture_end()
+    assert torch.isnan(y).all() and (i > 10**6).all()
+    g.replay()
+    torch.testing.assert_close(y, x * 2)
+    assert i.tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+def test_every_capture_uses_the_same_pool_and_stream(cuda: StrictCuda) -> None:
     ex = CudaGraphExecutor()
     seg = _Segment(cuda)
     x = torch.randn(16, 4)
@@ -206,7 +118,7 @@ def test_every_capture_uses_the_same_pool_and_stream(cuda: FakeCuda) -> None:
     assert [c.graph for c in ex._captured.values()] == cuda.graphs
 
 
-def test_replay_runs_the_graph_and_returns_captured_outputs(cuda: FakeCuda) -> None:
+def test_replay_runs_the_graph_and_returns_captured_outputs(cuda: StrictCuda) -> None:
     ex = CudaGraphExecutor()
     seg = _Segment(cuda)
     x = torch.randn(8, 4)
@@ -216,7 +128,7 @@ def test_replay_runs_the_graph_and_returns_captured_outputs(cuda: FakeCuda) -> N
     for i in range(3):
         x.copy_(torch.randn(8, 4))
         outs = ex.replay((0, 8), (x, W, 8))
-        assert g.replays == i + 1
+        assert g.replays == i + 2  # the capture's own replay, then these
         assert all(a is b for a, b in zip(outs, captured))
         want = seg(x, W, 8)
         torch.testing.assert_close(outs[0], want[0])
@@ -225,7 +137,7 @@ def test_replay_runs_the_graph_and_returns_captured_outputs(cuda: FakeCuda) -> N
         assert len(seg.calls) == n_calls
 
 
-def test_strong_references_to_captured_inputs(cuda: FakeCuda) -> None:
+def test_strong_references_to_captured_inputs(cuda: StrictCuda) -> None:
     ex = CudaGraphExecutor()
     seg = _Segment(cuda)
     x = torch.randn(8, 4)
@@ -237,7 +149,7 @@ def test_strong_references_to_captured_inputs(cuda: FakeCuda) -> None:
     assert isinstance(c.args, tuple)  # a copy, not the caller's (mutable) list
 
 
-def test_debug_replay_rejects_other_inputs(cuda: FakeCuda) -> None:
+def test_debug_replay_rejects_other_inputs(cuda: StrictCuda) -> None:
     ex = CudaGraphExecutor(debug=True)
     seg = _Segment(cuda)
     x = torch.randn(8, 4)
@@ -245,10 +157,10 @@ def test_debug_replay_rejects_other_inputs(cuda: FakeCuda) -> None:
     ex.replay((1, 8), (x, W, 8))
     with pytest.raises(ReplayAddressError, match=r"segment 1 at bucket 8 .*input 0"):
         ex.replay((1, 8), (x.clone(), W, 8))
-    assert cuda.graphs[0].replays == 1
+    assert cuda.graphs[0].replays == 2  # the capture's own and the first: the rejected one never ran
 
 
-def test_a_captured_bucket_holds_its_outputs_through_non_owning_tensors(cuda: FakeCuda) -> None:
+def test_a_captured_bucket_holds_its_outputs_through_non_owning_tensors(cuda: StrictCuda) -> None:
     """After ``bucket_captured`` nothing the executor keeps owns a graph output's memory (so the pool
     can hand it to the next bucket), yet replays still show through the same addresses."""
     ex = CudaGraphExecutor()
@@ -316,8 +228,7 @@ class Stage(nn.Module):
 
 
 @pytest.fixture
-def cuda_stage(cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> tuple[Stage, Any]:
-    monkeypatch.setattr(backend, "_resolve_graph_mode", lambda config, example_inputs: "cuda")
+def cuda_stage(cuda: StrictCuda) -> tuple[Stage, Any]:
     m = Stage()
     c = torch.compile(m, backend="pp_breakable", dynamic=True, fullgraph=True,
                       options={"capture_sizes": SIZES, "split_ops": ["pptest_rt::cg_mixer"]})
@@ -328,7 +239,7 @@ def _runtime() -> Any:
     return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
 
 
-def test_runtime_captures_largest_bucket_first_in_one_pool(cuda: FakeCuda, cuda_stage: Any) -> None:
+def test_runtime_captures_largest_bucket_first_in_one_pool(cuda: StrictCuda, cuda_stage: Any) -> None:
     m, c = cuda_stage
     x = torch.randn(5, H)
     torch.testing.assert_close(c(x), m(x))
@@ -347,7 +258,7 @@ def test_runtime_captures_largest_bucket_first_in_one_pool(cuda: FakeCuda, cuda_
         assert all(a is not None for a in cap.args), key
 
 
-def test_runtime_replays_graphs_and_matches_eager(cuda: FakeCuda, cuda_stage: Any) -> None:
+def test_runtime_replays_graphs_and_matches_eager(cuda: StrictCuda, cuda_stage: Any) -> None:
     m, c = cuda_stage
     for i, n in enumerate([5, 4, 8, 9, 16, 17, 3, 12, 6, 2]):
         torch.manual_seed(i)
@@ -360,13 +271,13 @@ def test_runtime_replays_graphs_and_matches_eager(cuda: FakeCuda, cuda_stage: An
         rt = _runtime()
         (state,) = rt.instances()
         ex = state.executor
-        replayed = {k for k, cap in ex._captured.items() if cap.graph.replays > before.get(id(cap.graph), 0)}
+        replayed = {k for k, cap in ex._captured.items() if cap.graph.replays > before.get(id(cap.graph), 1)}
         b = rt.plan.bucket(n)
         if b is None:
             assert not replayed
             continue
         assert replayed == {k for k in ex._captured if k[1] == b}
-        assert all(cap.graph.replays - before.get(id(cap.graph), 0) == 1
+        assert all(cap.graph.replays - before.get(id(cap.graph), 1) == 1
                    for k, cap in ex._captured.items() if k in replayed)
         # the stage output is a view into the last graph segment's captured output
         last = ex._captured[(max(s for s, _ in ex._captured), b)].outputs[0]
@@ -375,7 +286,7 @@ def test_runtime_replays_graphs_and_matches_eager(cuda: FakeCuda, cuda_stage: An
     assert len(cuda.graphs) == 6  # captured once
 
 
-def test_capture_session_keeps_the_collector_off(cuda: FakeCuda) -> None:
+def test_capture_session_keeps_the_collector_off(cuda: StrictCuda) -> None:
     import gc
 
     ex = CudaGraphExecutor()
@@ -386,3 +297,156 @@ def test_capture_session_keeps_the_collector_off(cuda: FakeCuda) -> None:
     with pytest.raises(RuntimeError), ex.capture_session():
         raise RuntimeError("capture failed")
     assert gc.isenabled()
+
+
+# ----------------------------------------------------------------------------------------- capture rules
+def _ids(x: torch.Tensor, n: int) -> tuple[torch.Tensor]:
+    """Segment 0: an integer id per token."""
+    return ((x.abs() * 3).long().clamp(max=3)[:, 0],)
+
+
+TABLE = torch.arange(8.0).view(4, 2)
+
+
+def _lookup(ids: torch.Tensor, table: torch.Tensor, n: int) -> tuple[torch.Tensor]:
+    """Segment 1: an embedding lookup by segment 0's ids."""
+    return (torch.nn.functional.embedding(ids, table),)
+
+
+class _NoReplayAfterCapture(CudaGraphExecutor):
+    """The executor as it was: warm-ups, then capture, nothing run in between."""
+
+    def capture(self, key: Any, fn: Any, args: Any, shapes: Any = None, strides: Any = None) -> Any:
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.num_warmup):
+                fn(*args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            outputs = tuple(fn(*args))
+        self._captured[key] = _Captured(fn, tuple(args), outputs, graph)
+        return outputs
+
+
+def test_warm_ups_never_read_a_capture_that_did_not_run(cuda: StrictCuda) -> None:
+    """Segment 1's warm-ups read segment 0's outputs: without a replay after capture they hold garbage,
+    and an index read from it is out of bounds (on a GPU a device assert that kills the process)."""
+    x = torch.randn(8, 4)
+    old = _NoReplayAfterCapture()
+    (ids,) = old.capture((0, 8), _ids, (x, 8))
+    with pytest.raises(IndexError):
+        old.capture((1, 8), _lookup, (ids, TABLE, 8))
+    ex = CudaGraphExecutor()
+    (ids,) = ex.capture((0, 8), _ids, (x, 8))
+    (rows,) = ex.capture((1, 8), _lookup, (ids, TABLE, 8))
+    torch.testing.assert_close(rows, TABLE[_ids(x, 8)[0]])
+    x.copy_(torch.randn(8, 4))
+    ex.replay((0, 8), ())
+    ex.replay((1, 8), ())
+    torch.testing.assert_close(rows, TABLE[_ids(x, 8)[0]])
+
+
+def test_torch_cuda_graph_flushes_per_capture_and_the_executor_does_not(cuda: StrictCuda) -> None:
+    old = _NoReplayAfterCapture()
+    for b in (8, 4):
+        old.capture((0, b), _ids, (torch.randn(b, 4), b))
+    assert cuda.flushes == 2 and cuda.syncs == 2  # torch.cuda.graph: one flush and one sync per capture
+    ex = CudaGraphExecutor()
+    with ex.capture_session():
+        for b in (16, 8, 4, 2):
+            ex.capture((0, b), _ids, (torch.randn(b, 4), b))
+    assert cuda.flushes == 3 and cuda.syncs == 3  # one of each for the whole session
+
+
+def test_an_op_that_breaks_capture_is_the_error_not_capture_end(cuda: StrictCuda) -> None:
+    ex = CudaGraphExecutor()
+    with pytest.raises(CaptureViolation, match="_local_scalar_dense") as info:
+        ex.capture((0, 8), lambda x: (x * x.sum().item(),), (torch.randn(8, 4),))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "ending the broken capture then failed too" in notes and "not permitted" in notes
+    assert cuda.capturing is None  # the capture was ended: the next one can begin
+    ex.capture((0, 4), lambda x: (x * 2,), (torch.randn(4, 4),))
+
+
+@pytest.mark.parametrize(("fn", "what"), [
+    (lambda x: (x.nonzero(),), "nonzero"),
+    (lambda x: (torch.masked_select(x, x > 0),), "masked_select"),
+    (lambda x: (torch.unique(x),), "_unique2"),
+    (lambda x: (x.long().flatten().abs().bincount(),), "bincount"),
+    (lambda x: (torch.repeat_interleave(x, (x[:, 0] > 0).long(), dim=0),), "repeat_interleave"),
+    (lambda x: (x + torch.rand(x.shape, generator=torch.Generator().manual_seed(0)),), "generator"),
+    (lambda x: (x * bool(x[0, 0] > 0),), "_local_scalar_dense"),
+    (lambda x: (torch.cuda.synchronize(), x)[1:], "synchronize"),
+    (lambda x: (torch.cuda.Event().query(), x)[1:], "Event.query"),
+    (lambda x: (torch.cuda.empty_cache(), x)[1:], "empty_cache"),
+])
+def test_what_real_capture_rejects_raises_naming_it(cuda: StrictCuda, fn: Any, what: str) -> None:
+    with pytest.raises(CaptureViolation, match=what):
+        CudaGraphExecutor(num_warmup=0).capture((0, 8), fn, (torch.randn(8, 4),))
+
+
+def test_what_capture_accepts_passes(cuda: StrictCuda) -> None:
+    """The twins of the rejected ops: static sizes and the default generator."""
+    x = torch.randn(8, 4)
+    ex = CudaGraphExecutor(num_warmup=0)
+    ex.capture((0, 8), lambda x: (torch.repeat_interleave(x, 2, dim=0),), (x,))
+    ex.capture((1, 8), lambda x: (torch.repeat_interleave(x, torch.full((8,), 2), dim=0, output_size=16),),
+               (x,))
+    ex.capture((2, 8), lambda x: (x + torch.rand(x.shape),), (x,))
+    ex.capture((3, 8), lambda x: (torch.nonzero_static(x > 0, size=32),), (x,))
+
+
+def test_allocating_off_the_capture_stream_raises(cuda: StrictCuda) -> None:
+    other = torch.cuda.Stream()
+
+    def off_stream(x: torch.Tensor) -> tuple[torch.Tensor]:
+        with torch.cuda.stream(other):
+            return (x * 2,)
+
+    with pytest.raises(CaptureViolation, match="runs on stream side0 while stream side1 captures"):
+        CudaGraphExecutor(num_warmup=0).capture((0, 8), off_stream, (torch.randn(8, 4),))
+
+
+def test_the_executor_works_on_the_stages_device(cuda: StrictCuda) -> None:
+    ex = make_executor("cuda", False, torch.device("cuda", 1))
+    assert isinstance(ex, CudaGraphExecutor) and ex.device == torch.device("cuda", 1)
+    ex.capture((0, 8), _ids, (torch.randn(8, 4), 8))
+    with ex.capture_session():
+        pass
+    assert cuda.devices and all(d == torch.device("cuda", 1) for d in cuda.devices)
+
+
+# ----------------------------------------------------------------------------------------- capture failures
+@torch.library.custom_op("pptest_rt::host_scaled", mutates_args=())
+def host_scaled(x: torch.Tensor) -> torch.Tensor:
+    """Token-local, but it reads a value on the host: fine eagerly, a sync under capture."""
+    return x * float(x.abs().max().item() > 0)
+
+
+@host_scaled.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class HostReadStage(Stage):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.ops.pptest_rt.host_scaled(torch.relu(self.up(x)))
+        h = torch.ops.pptest_rt.cg_mixer(h)
+        return self.down(h) + x
+
+
+def test_a_failed_capture_names_the_op_and_the_node_then_serves_eagerly(cuda: StrictCuda) -> None:
+    m = HostReadStage()
+    c = torch.compile(m, backend="pp_breakable", dynamic=True, fullgraph=True,
+                      options={"capture_sizes": SIZES, "split_ops": ["pptest_rt::cg_mixer"],
+                               "token_local_ops": ["pptest_rt::host_scaled"]})
+    x = torch.randn(5, H)
+    with pytest.raises(RuntimeError) as info:
+        c(x)
+    message = str(info.value)
+    assert "capturing segment" in message and "for bucket 16" in message
+    assert "aten.item" in message and "reads a device value" in message  # the op's error, not capture_end's
+    assert "at node host_scaled" in message and "test_cuda_graph_double.py" in message
+    torch.testing.assert_close(c(x), m(x))  # graphs are off for the instance: eager from now on
+    assert counters.eager_runs == 1

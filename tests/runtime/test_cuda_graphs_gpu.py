@@ -1,7 +1,7 @@
 """Real CUDA graphs: a small stage compiled on a CUDA device, graph path against eager across token counts.
 
 Skipped without CUDA (the CPU suite covers the same runtime with the emulated executor and a mocked CUDA
-graph API, ``test_cuda_graph_mock.py``).
+graph API under the strict capture double, ``test_cuda_graph_double.py``).
 """
 
 from __future__ import annotations

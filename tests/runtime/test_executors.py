@@ -1,6 +1,6 @@
 """Tests for ``ppcompile.runtime.executors``: the emulated and eager executors and ``make_executor``.
 
-The CUDA graph executor is exercised with a mocked CUDA API in ``test_cuda_graph_mock.py``.
+The CUDA graph executor is exercised under the strict CUDA-capture double in ``test_cuda_graph_double.py``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,14 @@ from hypothesis import strategies as st
 
 from ppcompile import envs
 from ppcompile.runtime import fused_copy_codegen as codegen
-from ppcompile.runtime.fused_copy import INT_TYPES, CopyMismatchError, RowCopier, make_row_copier
+from ppcompile.runtime.fused_copy import (
+    INT_TYPES,
+    CopyMismatchError,
+    RowCopier,
+    TorchRowCopier,
+    make_row_copier,
+    working_or_torch,
+)
 
 Call = tuple[Sequence[torch.Tensor], Sequence[int], Sequence[int]]
 
@@ -415,3 +422,25 @@ def test_cuda_one_launch_per_call() -> None:
     assert len(names) == len(calls) and all(codegen.KERNEL_NAME in name for name in names), names
     assert fused.compiles == compiles
     assert len(kernels(per_op)) == len(calls) * per_op.launches_per_call == len(calls) * 10
+
+
+class _BrokenCopier(TorchRowCopier):
+    """A copier whose kernel cannot be built: every call raises, as a failed Triton launcher build does."""
+
+    kernel = "triton"
+
+    def __call__(self, srcs: Any, ns: Any, bs: Any) -> None:
+        raise RuntimeError("failed to build the launcher: Python.h not found")
+
+
+def test_a_copier_that_fails_its_first_call_falls_back_to_torch_ops(caplog: pytest.LogCaptureFixture) -> None:
+    buf = torch.zeros(8, 4)
+    broken = _BrokenCopier(make_row_copier([buf], [0], kernel="torch").buffers)
+    chosen = working_or_torch(broken)
+    assert isinstance(chosen, TorchRowCopier) and chosen is not broken and chosen.dsts[0] is buf
+    assert "failed its first call" in caplog.text and "Python.h" in caplog.text
+    src = torch.randn(3, 4)
+    chosen([src], [3], [5])
+    assert torch.equal(buf[:3], src) and not buf[3:].any()
+    working = make_row_copier([buf], [0], kernel="torch")
+    assert working_or_torch(working) is working
