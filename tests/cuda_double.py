@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -379,7 +380,12 @@ class StrictCuda:
 
 
 @pytest.fixture
-def strict_cuda(monkeypatch: pytest.MonkeyPatch) -> StrictCuda:
+def strict_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[StrictCuda]:
+    """The double, installed for one test; its records (which hold the captured tensors, and through
+    them stage runtimes) are dropped after it, so later tests never see this test's runtimes."""
     api = StrictCuda()
     api.install(monkeypatch)
-    return api
+    yield api
+    api.graphs.clear()
+    api.captured_memory.clear()
+    gc.collect()
