@@ -38,6 +38,7 @@ import torch
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name, resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
 from ppcompile.analysis.token_locality import is_registered_token_local, mutated_inputs, rule_for
+from ppcompile.errors import source_line
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
 from ppcompile.symbolic import SizeFn, example_value, first_decrease, shape_exprs
@@ -83,13 +84,6 @@ def shrinking_token_size(
                 return (f"has a token-dim size {expr} that shrinks as the token count grows ({n} tokens: "
                         f"{rows({token: n})} rows, {n + 1} tokens: {rows({token: n + 1})} rows)")
     return None
-
-
-def source_line(node: torch.fx.Node) -> str:
-    """The innermost user frame of the node's stack trace (``File "...", line N, in f``), if any."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
-    return frames[-1] if frames else "(no source line recorded)"
 
 
 def _verdict(
