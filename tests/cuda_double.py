@@ -22,9 +22,10 @@ It counts what costs time on a GPU: cache flushes (``empty_cache``) and device s
 work that does not dispatch through aten (Inductor's CPU kernels run at capture like plain code, so
 Inductor segments are held to the rules only by their aten calls, and their replays would miss them:
 use eager segments under the double) and copies from pageable host memory (on CPU every tensor is host
-memory; the compile-time capture rules flag them, and the GPU tests run the real thing), including
-``.tolist()``, which reads CPU memory without dispatching. A ``torch.library.custom_op`` runs its Python
-implementation under the double, as a GPU runs its kernels at capture, so its aten ops are held too.
+memory; the compile-time capture rules flag them, and the GPU tests run the real thing). ``.tolist()``
+and ``.numpy()`` read memory without dispatching: the double replaces them while it captures, and they
+raise like a host read. A ``torch.library.custom_op`` runs its Python implementation under the double, as
+a GPU runs its kernels at capture, so its aten ops and host reads are held too.
 """
 
 from __future__ import annotations
@@ -87,6 +88,21 @@ def _host_scalar(t: Any) -> bool:
     at capture (its value is baked into the graph). The double's one approximation of devices: every
     tensor is on the CPU here, so a 0-d float64/int64 tensor a model keeps on its device would pass."""
     return isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype in (torch.float64, torch.int64)
+
+
+def _host_read(api: StrictCuda, name: str) -> Any:
+    """``Tensor.<name>`` (``tolist``, ``numpy``), raising as a host read while ``api`` captures."""
+    original = getattr(torch.Tensor, name)
+
+    def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if api.capturing is not None and not (
+                _host_scalar(self) and self.untyped_storage().data_ptr() not in api.captured_memory):
+            api.invalidated = True
+            raise CaptureViolation(f"CUDA graph capture: Tensor.{name} reads a device value on the host "
+                                   "(a sync); it cannot be captured")
+        return original(self, *args, **kwargs)
+
+    return read
 
 
 def fill_garbage(t: torch.Tensor) -> None:
@@ -376,6 +392,8 @@ class StrictCuda:
         mp.setattr(torch.cuda, "synchronize", lambda *a, **k: api.sync("torch.cuda.synchronize"))
         mp.setattr(torch.cuda, "empty_cache", api.empty_cache)
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: api.capturing is not None)
+        for name in ("tolist", "numpy"):
+            mp.setattr(torch.Tensor, name, _host_read(api, name))
         mp.setattr(backend, "_resolve_graph_mode", lambda config, example_inputs: "cuda")
 
 
