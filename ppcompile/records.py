@@ -17,6 +17,7 @@ class BreakKind(str, enum.Enum):
     USER_SPLIT_OP = "user split op"
     NON_TOKEN_SHAPE = "non-token dynamic shape"
     UNSAFE_OP = "padding-unsafe op"
+    CAPTURE_UNSAFE = "capture-unsafe op"
     HOST_SCALAR = "host scalar argument"
     NO_TENSOR_OUTPUTS = "no tensor outputs"
     EAGER_REGION = "declared eager region"

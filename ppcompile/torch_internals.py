@@ -23,7 +23,8 @@ from ppcompile.errors import add_note
 
 __all__ = [
     "C_SCALED_DOT_PRODUCT_ATTENTION", "OpOverload", "OpOverloadPacket", "TorchInternalsError",
-    "compile_id", "cuda_graph_capture", "current_shape_env", "custom_op_module", "dynamo_compile_start_ns",
+    "compile_id", "cuda_graph_capture", "current_shape_env", "custom_op_implementation", "custom_op_module",
+    "data_dependent_errors", "dynamo_compile_start_ns",
     "floats_specialized",
     "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol", "mark_dynamic",
     "raise_recompile_limit", "register_backend", "reset_dynamo", "restart_analysis",
@@ -303,6 +304,25 @@ def custom_op_module(qualname: str) -> str | None:
         return None
     module = _attr(_attr(opdef, "_init_fn", "CustomOpDef", why), "__module__", "a custom op's function", why)
     return module if isinstance(module, str) and not module.startswith("__") else None
+
+
+def custom_op_implementation(qualname: str) -> Callable[..., Any] | None:
+    """The Python function behind the ``torch.library.custom_op`` named ``qualname`` (``ns::op``), or
+    None for an op defined otherwise (``torch.library.define``, C++)."""
+    why = "to probe a custom op's implementation"
+    opdef = _lookup("torch._library.custom_ops", "OPDEFS", why).get(qualname)
+    if opdef is None:
+        return None
+    fn: Callable[..., Any] = _attr(opdef, "_init_fn", "CustomOpDef", why)
+    return fn
+
+
+def data_dependent_errors() -> tuple[type[Exception], type[Exception]]:
+    """What a fake tensor raises for a host read of its data (``.item()``, ``.tolist()``) and for an op
+    whose output size depends on the data (``nonzero``), in that order."""
+    why = "to tell host reads and data-dependent shapes in a probed op"
+    return (_lookup("torch._subclasses.fake_tensor", "DataDependentOutputException", why),
+            _lookup("torch._subclasses.fake_tensor", "DynamicOutputShapeException", why))
 
 
 def written_arguments(op: OpOverload) -> tuple[tuple[int, str], ...]:

@@ -86,6 +86,14 @@ def test_symbol_and_op_entries() -> None:
     assert not ti.is_float_symbol(make_symbol(SymT.SIZE, 0))
     assert ti.custom_op_module("pptest_internals::twice") == __name__
     assert ti.custom_op_module("aten::add") is None
+    assert ti.custom_op_implementation("pptest_internals::twice") is not None
+    assert ti.custom_op_implementation("aten::add") is None
+    host_read, data_shape = ti.data_dependent_errors()
+    with ti.static_fake_mode():
+        with pytest.raises(host_read):
+            torch.ones(2).tolist()
+        with pytest.raises(data_shape):
+            torch.ones(2).nonzero()
     assert ti.written_arguments(torch.ops.aten.add_.Tensor) == ((0, "self"),)
     assert ti.written_arguments(torch.ops.aten.add.out) == ((3, "out"),)
     assert ti.written_arguments(torch.ops.aten.add.Tensor) == ()

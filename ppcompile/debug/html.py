@@ -25,6 +25,7 @@ KIND_COLORS = {
     "user split op": "#b07aa1",
     "non-token dynamic shape": "#76b7b2",
     "padding-unsafe op": "#e15759",
+    "capture-unsafe op": "#9d4f2f",
     "host scalar argument": "#edc948",
     "no tensor outputs": "#bab0ac",
     "declared eager region": "#ff9da7",

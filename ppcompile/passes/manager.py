@@ -14,6 +14,7 @@ import torch
 from ppcompile.debug.dumps import reset_stage_dir, stage_dir, write_graph
 from ppcompile.debug.progress import Progress
 from ppcompile.passes.align_global_layers import align_global_layers
+from ppcompile.passes.check_capture_safety import check_capture_safety
 from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.find_declared_regions import find_declared_regions
@@ -46,6 +47,9 @@ PASSES: tuple[Pass, ...] = (
     # Needs token dims (it judges ops by which of their dims scale with tokens); must run before the
     # split, which turns the nodes it flags into breaks.
     check_padding_safety,
+    # Needs token dims (it probes custom ops at their traced sizes) and only node meta; before the split,
+    # which turns the nodes it flags into breaks.
+    check_capture_safety,
     # Needs token dims (non-token shapes are breaks), layer ids (recorded on break segments) and the
     # padding-safety verdicts.
     split_at_breaks,

@@ -3,10 +3,10 @@
 Break nodes run eagerly on live-size tensors between graph segments: attention ops (the registered
 attention ops and ``scaled_dot_product_attention``), every op in the ``split_ops`` option (matched as
 ``OpOverload`` or packet), nodes whose shapes or size arguments depend on a dynamic symbol other than
-the token count, and nodes that read a Python number passed per call (a graph captured per token
-bucket would replay a stale value), and nodes ``check_padding_safety`` found mixing token rows. Each
-attention or split op gets a partition of its own; a run of consecutive breaks of another kind shares
-one, whose reason names every op of the run.
+the token count, nodes that read a Python number passed per call (a graph captured per token bucket
+would replay a stale value), nodes ``check_capture_safety`` found a CUDA graph cannot capture, and
+nodes ``check_padding_safety`` found mixing token rows. Each attention or split op gets a partition of
+its own; a run of consecutive breaks of another kind shares one, whose reason names every op of the run.
 ``getitem`` nodes that unpack a break op's tuple stay with it. The split keeps the original node order
 (in-place ops stay where they were).
 
@@ -94,6 +94,9 @@ def _break_reason(
             BreakKind.NON_TOKEN_SHAPE, op_name(node, qualified=True),
             f"depends on {others}, not only on the token count", trace,
         )
+    if "pp_capture_unsafe" in node.meta:
+        return BreakReason(BreakKind.CAPTURE_UNSAFE, op_name(node, qualified=True),
+                           node.meta["pp_capture_unsafe"], trace)
     if "pp_unsafe" in node.meta:
         return BreakReason(BreakKind.UNSAFE_OP, op_name(node, qualified=True), node.meta["pp_unsafe"], trace)
     if reads_host:
@@ -104,7 +107,7 @@ def _break_reason(
     return None
 
 
-_MERGEABLE = (BreakKind.NON_TOKEN_SHAPE, BreakKind.UNSAFE_OP, BreakKind.HOST_SCALAR)
+_MERGEABLE = (BreakKind.NON_TOKEN_SHAPE, BreakKind.UNSAFE_OP, BreakKind.CAPTURE_UNSAFE, BreakKind.HOST_SCALAR)
 
 
 def _extend(reason: BreakReason, node: torch.fx.Node) -> BreakReason:

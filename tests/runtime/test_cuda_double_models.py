@@ -98,14 +98,8 @@ def test_reference_stages_capture_and_match_eager_at_every_bucket(strict_cuda: S
 transformers = pytest.importorskip("transformers")
 from ppcompile.models.hf import TINY_FAMILIES, make_hf_stages, tiny_causal_lm  # noqa: E402
 
-# The MoE and hybrid families graph transformers' grouped_mm_fallback, whose offs.tolist() is a host read:
-# real capture fails on it (the double let it through and gave wrong answers until it held .tolist()).
-MOE_UNDER_THE_DOUBLE = ("qwen2_moe", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 
-
-@pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="grouped_mm_fallback reads offs on the host"))
-    if f in MOE_UNDER_THE_DOUBLE else f for f in TINY_FAMILIES])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_hf_stages_capture_and_match_eager_at_every_bucket(strict_cuda: StrictCuda, family: str) -> None:
     if getattr(transformers, TINY_FAMILIES[family][0], None) is None:
         pytest.skip(f"transformers {transformers.__version__} has no {TINY_FAMILIES[family][0]}")

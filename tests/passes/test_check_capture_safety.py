@@ -1,0 +1,201 @@
+"""Capture safety: ops a CUDA graph cannot capture become breaks, whatever the graph mode or segment
+compiler, so a stage that runs on CPU does not fail capture on a GPU for an op reason."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from cuda_double import StrictCuda
+from fx_helpers import dynamo_graph, make_ctx, run_until
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import ppcompile
+from ppcompile.analysis.capture_rules import CaptureRules
+from ppcompile.passes.check_capture_safety import check_capture_safety
+from ppcompile.passes.split_at_breaks import split_at_breaks
+from ppcompile.records import BreakKind
+from ppcompile.regions import undeclare
+
+SIZES = [4, 8]
+COUNTS = [1, 4, 5, 8, 9]  # one token, a bucket, a bucket + 1, the cap, above it
+
+
+@torch.library.custom_op("pptest_capture::offset_scale", mutates_args=())
+def offset_scale(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Scales rows by their group, groups read on the host (as transformers' grouped_mm_fallback)."""
+    out = torch.empty_like(x)
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] * (i + 1)
+        start = end
+    return out
+
+
+@offset_scale.register_fake
+def _(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pptest_capture::device_scale", mutates_args=())
+def device_scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same kind of op, kept on the device."""
+    return x * w.sum()
+
+
+@device_scale.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class Grouped(nn.Module):
+    """Token-local as a whole: sorts rows by a key, scales each group, puts rows back."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        key = (h[:, 0] > 0).long()
+        order = torch.argsort(key, stable=True)
+        counts = torch.histc(key.float(), bins=2, min=0, max=1).long()
+        scaled = offset_scale(h[order], counts.cumsum(0))
+        out = torch.empty_like(h)
+        out[order] = scaled
+        return out
+
+
+class Stage(nn.Module):
+    def __init__(self, host_read: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.ones(3))
+        self.grouped = Grouped() if host_read else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.proj(h)
+        h = self.grouped(h) if self.grouped is not None else device_scale(h, self.w)
+        return torch.relu(h) + 1
+
+
+@pytest.fixture
+def _declared() -> Iterator[None]:
+    ppcompile.token_local(Grouped)
+    yield
+    undeclare(Grouped)
+
+
+def _segments(module: nn.Module) -> list[object]:
+    gm, inputs = dynamo_graph(module, torch.randn(6, 8))
+    ctx = make_ctx(gm, inputs, capture_sizes=SIZES, token_local_ops=["pptest_capture::device_scale"])
+    run_until(gm, ctx, split_at_breaks)
+    return ctx.segments
+
+
+@pytest.mark.usefixtures("_declared")
+def test_a_host_read_in_a_token_local_region_makes_the_region_one_break() -> None:
+    breaks = [s for s in _segments(Stage(host_read=True)) if not s.is_graph]  # type: ignore[attr-defined]
+    assert len(breaks) == 1
+    (reason,) = (s.reason for s in breaks)  # type: ignore[attr-defined]
+    assert reason.kind is BreakKind.CAPTURE_UNSAFE
+    assert "offset_scale" in reason.op and "argsort" in reason.op  # the whole region: sort to scatter
+    assert "reads a device value on the host" in reason.detail
+
+
+def test_a_custom_op_that_stays_on_the_device_stays_graphed() -> None:
+    assert all(s.is_graph for s in _segments(Stage(host_read=False)))  # type: ignore[attr-defined]
+
+
+def test_the_pass_marks_the_node_and_leaves_the_graph_alone() -> None:
+    gm, inputs = dynamo_graph(lambda h, o: offset_scale(h, o) + 1, torch.randn(6, 8),
+                              torch.tensor([2, 6]))
+    ctx = make_ctx(gm, inputs, capture_sizes=SIZES)
+    before = str(gm.graph)
+    gm = run_until(gm, ctx, check_capture_safety)
+    assert str(gm.graph) == before
+    marked = {n.name: n.meta["pp_capture_unsafe"] for n in gm.graph.nodes if "pp_capture_unsafe" in n.meta}
+    (name,) = marked
+    assert "offset_scale" in name and "its implementation reads a device value on the host" in marked[name]
+
+
+def _check_counts(graphed: nn.Module, stage: nn.Module) -> None:
+    with torch.inference_mode():
+        for n in COUNTS:
+            h = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+            torch.testing.assert_close(graphed(h), stage(h), msg=lambda m, n=n: f"{n} tokens: {m}")
+
+
+@pytest.mark.usefixtures("_declared", "fresh_dynamo")
+def test_the_stage_captures_under_the_strict_double_and_matches_eager(strict_cuda: StrictCuda) -> None:
+    stage = Stage(host_read=True).eval()
+    old = ppcompile.stage_runtimes()
+    _check_counts(torch.compile(stage, backend="pp_breakable", dynamic=True,
+                                options={"capture_sizes": SIZES}), stage)
+    (rt,) = [rt for rt in ppcompile.stage_runtimes()
+             if not any(rt is o for o in old) and rt.token_symbol is not None]  # 1 token: eager
+    assert rt.graph_mode == "cuda" and "capture-unsafe op" in rt.describe()
+    assert all(state.captured_buckets == tuple(SIZES) for state in rt.instances())
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_declared", "fresh_dynamo")
+def test_inductor_segments_split_the_same_way() -> None:
+    """The verdicts come before segment compilation: Inductor segments break at the same op (checked on
+    the emulation: the double cannot replay Inductor's CPU kernels)."""
+    stage = Stage(host_read=True).eval()
+    old = ppcompile.stage_runtimes()
+    options = {"capture_sizes": SIZES, "segment_compiler": "inductor", "graph_mode": "emulate"}
+    _check_counts(torch.compile(stage, backend="pp_breakable", dynamic=True, options=options), stage)
+    (rt,) = [rt for rt in ppcompile.stage_runtimes()
+             if not any(rt is o for o in old) and rt.token_symbol is not None]  # 1 token: eager
+    assert "capture-unsafe op" in rt.describe()
+
+
+# ----------------------------------------------------------------------- op rules on traced nodes
+def _node(graph: torch.fx.Graph, target: object, *args: object, method: bool = False,
+          value: object = None, **kwargs: object) -> torch.fx.Node:
+    node = graph.create_node("call_method" if method else "call_function", target, args, kwargs)  # type: ignore[arg-type]
+    node.meta["example_value"] = value
+    return node
+
+
+def _placeholder(graph: torch.fx.Graph, name: str, value: object) -> torch.fx.Node:
+    node = graph.placeholder(name)
+    node.meta["example_value"] = value
+    return node
+
+
+def test_op_rules() -> None:
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        x = _placeholder(graph, "x", torch.empty(6, 8))
+        eps = _placeholder(graph, "eps", torch.empty((), dtype=torch.float64))
+        host = _placeholder(graph, "host", torch.empty(6, 8))
+        on_gpu = _placeholder(graph, "on_gpu", torch.empty(6, 8, device="cuda"))
+        ints = torch.empty(6, dtype=torch.long)
+        cases = {
+            "nonzero": (_node(graph, torch.nonzero, x, value=ints), "depends on the data"),
+            "item": (_node(graph, "item", x, method=True), "reads a device value"),
+            "item of eps": (_node(graph, "item", eps, method=True), None),
+            "where(cond)": (_node(graph, torch.where, x, value=ints), "nonzero"),
+            "where(c, a, b)": (_node(graph, torch.where, x, x, x, value=torch.empty(6, 8)), None),
+            "repeat_interleave(t)": (_node(graph, torch.repeat_interleave, x, x, value=ints), "output_size"),
+            "repeat_interleave(t, size)": (_node(graph, torch.repeat_interleave, x, x, output_size=12,
+                                                 value=ints), None),
+            "repeat_interleave(int)": (_node(graph, torch.repeat_interleave, x, 2, value=ints), None),
+            "histc": (_node(graph, torch.histc, x, 4, value=ints), "min == max"),
+            "histc with range": (_node(graph, torch.histc, x, 4, 0, 3, value=ints), None),
+            "rand with generator": (_node(graph, torch.rand, 6, generator=object(), value=ints), "generator"),
+            "host to device": (_node(graph, "to", host, "cuda", method=True,
+                                     value=torch.empty(6, 8, device="cuda")), "from host memory"),
+            "device to host": (_node(graph, "cpu", on_gpu, method=True, value=torch.empty(6, 8)),
+                               "to host memory"),
+            "host scalar on the device": (_node(graph, torch.mul, on_gpu, eps,
+                                                value=torch.empty(6, 8, device="cuda")), None),
+            "aten nonzero": (_node(graph, torch.ops.aten.nonzero.default, x, value=ints), "depends"),
+        }
+    rules = CaptureRules(host_inputs=[eps])
+    got = {name: rules.problem(node) for name, (node, _) in cases.items()}
+    for name, (_, want) in cases.items():
+        if want is None:
+            assert got[name] is None, f"{name}: {got[name]}"
+        else:
+            assert got[name] is not None and want in got[name], f"{name}: {got[name]}"
