@@ -36,7 +36,7 @@ from bench.common import (
     prefill_stream,
     suite_from_args,
 )
-from bench.report import describe_machine, machine_info, markdown_table, save_json
+from bench.report import describe_machine, machine_info, markdown_table, not_measured, save_json
 from ppcompile.counters import counters
 
 __all__ = ["markdown", "plot", "run_throughput"]
@@ -74,14 +74,21 @@ def run_throughput(
     Paths are interleaved forward by forward (the order rotates), so a noisy neighbour slows every
     path alike. A path's tokens/s is the stream's tokens over the sum of its forwards' median times
     (a preempted forward costs one sample, not a whole run); ``runs`` keeps each run's own tokens/s.
-    ``deadline`` (a ``time.monotonic()`` value): no new repeat starts after it (at least one runs), so a
-    time-boxed run (the GPU check) still ends with figures.
+    ``deadline`` (a ``time.monotonic()`` value): no path but eager starts its compile after it (the
+    others are dropped, the reason in ``failed``) and no new repeat starts after it (at least one runs),
+    so a time-boxed run (the GPU check) still ends with figures.
     """
     streams = build_streams(harness, suite, seed)
     all_batches = [b for cap in suite.caps for b in streams[cap]]
     for name in list(harness.modules):
-        if name not in harness.compile_seconds:
-            harness.warm_up(name, all_batches)
+        if name in harness.compile_seconds:
+            continue
+        if name != "eager" and deadline is not None and time.monotonic() > deadline:
+            log.warning("throughput: time budget reached; path %s is not compiled or measured", name)
+            harness.failed[name] = "skipped: the time budget (--budget-s) ran out before its compile"
+            harness.modules.pop(name)
+            continue
+        harness.warm_up(name, all_batches)
     names = list(harness.modules)
     served = {cap: _served(harness, streams[cap]) for cap in suite.caps}
     runs: dict[int, dict[str, list[float]]] = {cap: {n: [] for n in names} for cap in suite.caps}
@@ -201,7 +208,7 @@ def markdown(result: dict[str, Any]) -> str:
         for p in paths
     )
     failed = result.get("failed", {})
-    legend += "".join(f"\n- `{n}`: FAILED, not measured: {why}" for n, why in failed.items())
+    legend += "".join(f"\n- `{n}`: {not_measured(why)}" for n, why in failed.items())
     served = [
         f"`{n}` " + ", ".join(row["served"][n] for row in result["rows"])
         for n in names if all(n in row["served"] for row in result["rows"])

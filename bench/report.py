@@ -20,6 +20,7 @@ __all__ = [
     "load_json",
     "machine_info",
     "markdown_table",
+    "not_measured",
     "save_json",
     "update_markdown_section",
 ]
@@ -96,3 +97,8 @@ def save_json(path: Path, data: Any) -> None:
 
 def load_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def not_measured(why: str) -> str:
+    """The note for a benchmark path that was dropped: ``FAILED`` unless a time budget skipped it."""
+    return f"not measured ({why})" if why.startswith("skipped") else f"FAILED, not measured: {why}"

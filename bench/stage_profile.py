@@ -39,7 +39,7 @@ from bench.common import (
     prefill_stream,
     suite_from_args,
 )
-from bench.report import describe_machine, machine_info, markdown_table, save_json
+from bench.report import describe_machine, machine_info, markdown_table, not_measured, save_json
 
 __all__ = ["busy_intervals", "markdown", "run_profile", "union_length"]
 
@@ -199,7 +199,7 @@ def markdown(result: dict[str, Any]) -> str:
         markdown_table(headers, table),
         "",
         *target,
-        *[f"`{n}` FAILED, not measured: {why}\n" for n, why in result.get("failed", {}).items()],
+        *[f"`{n}` {not_measured(why)}\n" for n, why in result.get("failed", {}).items()],
         f"Machine: {describe_machine(result['machine'])}.",
     ])
 

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +88,19 @@ def test_a_failing_path_is_dropped_with_its_reason_and_the_others_still_run() ->
     assert "graph_mode" in harness.failed["bad"] and "bogus" in harness.failed["bad"]
     assert harness.max_diffs["ppb"] < 1e-4  # the measured path computes what eager computes
     assert harness.graph_mode("ppb") == "emulate"  # a graph path: emulated on CPU, not "auto"'s live size
+
+
+def test_throughput_compiles_no_path_but_eager_past_its_deadline() -> None:
+    """A time-boxed run (bench/gpu_check.sh) still ends with figures: paths left when the budget runs out
+    are dropped, with the reason, instead of compiling past it."""
+    tp = bench_cli._bench("prefill_throughput")
+    suite = common.SUITES["smoke"]
+    harness = common.make_harness(suite)
+    result = tp.run_throughput(harness, suite, deadline=time.monotonic() - 1.0)
+    assert list(harness.modules) == ["eager"]
+    assert set(result["failed"]) == {"ppb", "ppb-static"}
+    assert all("time budget" in why for why in result["failed"].values())
+    assert [r["cap"] for r in result["rows"]] == list(suite.caps)
 
 
 def test_bench_command_runs_every_benchmark_and_writes_the_docs(tmp_path: Path) -> None:
