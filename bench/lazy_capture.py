@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ def _forward(compiled: Any, cfg: ModelConfig, lens: list[int], device: str, firs
     return time.perf_counter() - start
 
 
-def run_policies(device: str) -> list[dict[str, Any]]:
+def run_policies(device: str, on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """One row per policy; ``on_row`` gets each as soon as it is measured (a cut-off run keeps them)."""
     rows = []
     policies = [("all", {}), ("lazy", {"capture": "lazy"}),
                 ("planned, all", {"capture_sizes": PLANNED})]
@@ -67,6 +69,8 @@ def run_policies(device: str) -> list[dict[str, Any]]:
         rows.append({"policy": name, "buckets": len(runtime.plan.sizes), "first_captures": first_captures,
                      "first_s": first, "second_captures": second_captures, "second_s": second,
                      "memory_bytes": memory})
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
 
 
@@ -75,13 +79,15 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = run_policies(args.device)
     print("| policy | buckets | graphs captured by the 1st forward | 1st forward s | graphs captured by "
           "the 2nd (other bucket) | 2nd forward s | graph memory MiB |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
+    print("|---|---|---|---|---|---|---|", flush=True)
+
+    def show(r: dict[str, Any]) -> None:
         print(f"| {r['policy']} | {r['buckets']} | {r['first_captures']} | {r['first_s']:.2f} | "
-              f"{r['second_captures']} | {r['second_s']:.3f} | {r['memory_bytes'] / 2**20:.1f} |")
+              f"{r['second_captures']} | {r['second_s']:.3f} | {r['memory_bytes'] / 2**20:.1f} |", flush=True)
+
+    run_policies(args.device, on_row=show)
     return 0
 
 
