@@ -1,23 +1,76 @@
 #!/usr/bin/env bash
-# GPU check, sized for one H200 in under 10 minutes: the GPU tests, then the prefill benchmarks with
-# CUDA graphs (throughput, wall vs busy, runtime overhead), lazy vs full capture, the fold crossover,
-# launches outside graphs (torch vs fused copies) and the fused copy kernel's host time.
-# Everything lands in one folder, $OUT if set, else bench/results/gpu: a log per step, the JSON results,
-# the plot, summary.txt, and benchmarks.md (a preview of the docs section). Back on any machine with the repo:
+# GPU check, sized for ONE command on one H200 with cold caches: at most BUDGET_S (480 s) in all. In order:
+#   preflight           bench/gpu_preflight.py: versions, device, C compiler, Python headers, one fused
+#                       copy (which kernel `copy_kernel="auto"` ends up with), one CUDA graph capture
+#   pytest_gpu          the GPU tests, by an explicit file list (GPU_TESTS; correctness before figures)
+#   throughput_profile  prefill throughput with CUDA graphs, then wall vs busy (one process, one compile)
+#   overhead            the runtime's host overhead per forward and per segment
+#   lazy_capture        startup: graphs captured and first-forward seconds, all vs lazy vs planned ladder
+#   fold_segments       where folding a tiny graph segment into its breaks stops paying
+#   launches            launches outside graph replays per forward (torch vs fused copies)
+#   fused_copy          the fused copy kernel's host time against per-tensor torch ops
+# Each step runs under its own time limit (PLAN below, the one place limits live; TERM 5 s before the
+# limit, KILL at it) and writes its log (and JSON/figures) before the next starts, with one line in
+# summary.txt, so a run cut off anywhere still leaves what it measured. A failing step does not stop the
+# ones after it.
+#
+# Everything lands in one folder, $OUT if set, else bench/results/gpu: preflight.json, a log per step,
+# pytest_gpu.xml (junit), the JSON results, the plot, summary.txt, and benchmarks.md (a preview of the
+# docs section). Back on any machine with the repo:
 #     python -m ppcompile bench --render <that folder>     # writes docs/benchmarks.md + plot
 #
-# Needs torch with CUDA (2.11+; triton for the Inductor paths) and no network. Without a CUDA device it
-# says so and exits 0; `--dry-run` runs the same steps on CPU with tiny sizes (to test this script).
+# Needs torch with CUDA (2.11+; triton for the fused copies and the Inductor paths) and no network.
+# Without a CUDA device it says so and exits 0. Options:
+#   --dry-run      the same steps on CPU with tiny sizes (to test this script; DRY_PLAN's limits)
+#   --print-plan   print the steps, their limits, the overhead allowance and the GPU test files, one
+#                  "key value..." line each, and exit 0 without running anything (needs no torch)
 # PYTHON picks the interpreter (default: python3; in a dry run .venv/bin/python when present).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+# ------------------------------------------------------------------------------------------ the plan
+BUDGET_S=480
+# Steps in the order they run, name=limit in seconds (each limit includes the step's torch start-up).
+PLAN=(preflight=30 pytest_gpu=130 throughput_profile=110 overhead=30 lazy_capture=40 fold_segments=25
+      launches=20 fused_copy=20)
+# Outside the steps, each under its own timeout: pip install -e ., the torch/CUDA probe, the render of
+# benchmarks.md, and the shell itself (nvidia-smi, copies).
+OVERHEAD=(pip=20 probe=20 render=25 shell=5)
+# The dry run (CPU, tiny sizes; a slow 2-core box takes about 3 minutes): limits only stop a hang.
+DRY_PLAN=(preflight=60 pytest_gpu=120 throughput_profile=90 overhead=60 lazy_capture=120 fold_segments=60
+          launches=60 fused_copy=40)
+# The test files with GPU tests (`pytest.mark.gpu`), correctness first; run with `-m gpu`.
+# tests/bench/test_gpu_check_plan.py checks this list against the files that have the mark.
+GPU_TESTS=(
+  tests/runtime/test_cuda_graphs_gpu.py
+  tests/reliability/test_reliability_gpu.py
+  tests/runtime/test_in_place_breaks.py
+  tests/runtime/test_out_variant_breaks.py
+  tests/runtime/test_fused_copy.py
+  tests/debug/test_debug_report.py
+)
+# Steps whose log is also kept as NAME.txt (docs/benchmarks.md names these files).
+TXT_STEPS=" lazy_capture fold_segments launches fused_copy "
+
+usage() { echo "usage: bash bench/gpu_check.sh [--dry-run] [--print-plan]" >&2; exit 2; }
 dry=0
-case "${1:-}" in
-  --dry-run) dry=1 ;;
-  "") ;;
-  *) echo "usage: bash bench/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
-esac
+print_plan=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry=1 ;;
+    --print-plan) print_plan=1 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) usage ;;
+  esac
+done
+[ "$dry" = 1 ] && plan=("${DRY_PLAN[@]}") || plan=("${PLAN[@]}")
+overhead_s=0
+for entry in "${OVERHEAD[@]}"; do overhead_s=$((overhead_s + ${entry#*=})); done
+limit_of() {  # limit_of NAME: NAME's entry of OVERHEAD
+  local entry
+  for entry in "${OVERHEAD[@]}"; do [ "${entry%%=*}" = "$1" ] && { echo "${entry#*=}"; return; }; done
+  echo "gpu_check: no overhead entry $1" >&2; exit 2
+}
 
 if [ -n "${PYTHON:-}" ]; then py=$PYTHON
 elif [ "$dry" = 1 ] && [ -x .venv/bin/python ]; then py=.venv/bin/python
@@ -28,71 +81,117 @@ results=${OUT:-bench/results/gpu}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
-if ! "$py" -c 'import torch' 2>/dev/null; then
-  echo "gpu_check: $py cannot import torch; set PYTHON to an interpreter that has it" >&2
-  exit 1
+if [ "$dry" = 1 ]; then
+  dev=cpu
+  bench_args=(--device cpu --suite smoke)
+  fold_args=(--device cpu --graph-mode emulate --ks 1,2)
+  copy_args=(--dry-run)
+else
+  dev=cuda
+  bench_args=(--device cuda --suite cuda)
+  fold_args=(--device cuda)
+  copy_args=()
 fi
-if [ "$dry" = 0 ] && ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)'; then
+
+command_of() {  # command_of NAME LIMIT: sets cmd to step NAME's command line
+  case "$1" in
+    preflight) cmd=("$py" bench/gpu_preflight.py --device "$dev" --out "$results/preflight.json") ;;
+    # -v: a line per test as it ends (a cut-off run still shows them); one file failing to import does
+    # not stop the others.
+    pytest_gpu) cmd=("$py" -m pytest -m gpu -v -rA -p no:cacheprovider --durations=8
+                     --continue-on-collection-errors --junitxml="$results/pytest_gpu.xml" "${GPU_TESTS[@]}") ;;
+    # Throughput and profile share one process (one compile of every path). throughput.json is saved
+    # after every repeat; past 60% of --budget-s (so 40% of this step's limit) no path starts its compile
+    # and no repeat starts: the rest of the limit is for a compile under way, one repeat, the profile.
+    throughput_profile) cmd=("$py" -m ppcompile bench --only throughput,profile --out "$results" --no-docs
+                             --budget-s "$(($2 * 2 / 3))" "${bench_args[@]}") ;;
+    overhead) cmd=("$py" -m ppcompile bench --only overhead --out "$results" --no-docs "${bench_args[@]}") ;;
+    lazy_capture) cmd=("$py" bench/lazy_capture.py --device "$dev") ;;
+    fold_segments) cmd=("$py" bench/fold_segments.py "${fold_args[@]}") ;;
+    launches) cmd=("$py" bench/launches.py --device "$dev" --out "$results") ;;
+    fused_copy) cmd=("$py" bench/fused_copy.py --out "$results" "${copy_args[@]}") ;;
+    *) echo "gpu_check: no command for step $1" >&2; return 1 ;;
+  esac
+}
+
+if [ "$print_plan" = 1 ]; then
+  [ "$dry" = 1 ] && echo "mode dry-run" || echo "mode gpu"
+  [ "$dry" = 1 ] && echo "budget none" || echo "budget $BUDGET_S"
+  total=$overhead_s
+  for entry in "${plan[@]}"; do
+    echo "step ${entry%%=*} ${entry#*=}"
+    total=$((total + ${entry#*=}))
+    command_of "${entry%%=*}" "${entry#*=}" || exit 2
+    echo "command ${entry%%=*} ${cmd[*]}"
+  done
+  echo "overhead $overhead_s"
+  for entry in "${OVERHEAD[@]}"; do echo "overhead_part ${entry%%=*} ${entry#*=}"; done
+  echo "total $total"
+  for f in "${GPU_TESTS[@]}"; do echo "gpu_tests $f"; done
+  exit 0
+fi
+
+# One torch start-up says both whether torch imports and whether it sees a CUDA device.
+probe='import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)'
+[ "$dry" = 1 ] && probe='import torch'
+
+timeout --kill-after=2 "$(( $(limit_of probe) - 2 ))" "$py" -c "$probe" 2>/dev/null
+rc=$?
+if [ "$rc" = 3 ]; then
   echo "gpu_check: torch ($py) sees no CUDA device here; nothing to run." \
        "Use --dry-run to exercise this script on CPU."
   exit 0
+elif [ "$rc" != 0 ]; then
+  echo "gpu_check: $py cannot import torch (rc=$rc); set PYTHON to an interpreter that has it" >&2
+  exit 1
 fi
 mkdir -p "$results"
 : >"$results/summary.txt"
 
-if [ "$dry" = 1 ]; then
-  bench_args=(--device cpu --suite smoke)
-  limits=(60 90 60)  # pytest, throughput + profile, overhead (seconds)
-else
-  bench_args=(--device cuda --suite cuda)
-  limits=(120 200 60)  # the GPU tests first: no CUDA run has happened yet, correctness outranks figures
+if [ "$dry" = 0 ]; then
   # The entry point makes the backend known to torch.compile without an import; PYTHONPATH covers the
   # rest if this fails (no network: no build isolation).
-  "$py" -m pip install --no-deps --no-build-isolation -q -e . >"$results/pip.log" 2>&1 \
+  timeout --kill-after=2 "$(( $(limit_of pip) - 2 ))" \
+    "$py" -m pip install --no-deps --no-build-isolation -q -e . >"$results/pip.log" 2>&1 \
     || echo "gpu_check: pip install -e . failed (see pip.log); using PYTHONPATH" | tee -a "$results/summary.txt"
 fi
 
-step() {  # step NAME LIMIT_S CMD...: runs CMD under a time limit, log in NAME.log, one line in summary.txt
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  echo "== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" >"$results/$name.log" 2>&1
-  local rc=$?
-  local note=""
-  [ "$rc" = 124 ] || [ "$rc" = 137 ] && note=" (timed out)"
-  echo "$name: rc=$rc$note in $((SECONDS - start)) s" | tee -a "$results/summary.txt"
-  tail -n 25 "$results/$name.log"
-}
-
 {
   date -u '+%Y-%m-%d %H:%M UTC'
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null \
+  timeout 5 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null \
     || echo "nvidia-smi: not available"
-  "$py" -c 'import platform, torch; print("python", platform.python_version(), "torch", torch.__version__,
-"cuda", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)'
-  "$py" -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed"
+  echo "versions, device, compiler: preflight.json"
 } >"$results/env.txt" 2>&1
 cat "$results/env.txt"
 
-step pytest_gpu "${limits[0]}" "$py" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
-# Throughput and profile share one process (one compile of every path); throughput.json is saved after
-# every repeat, and no repeat starts past 60% of the budget, so a slow compile still leaves figures.
-step throughput_profile "${limits[1]}" "$py" -m ppcompile bench --only throughput,profile --out "$results" \
-  --no-docs --budget-s "$((limits[1] - 60))" "${bench_args[@]}"
-step overhead "${limits[2]}" "$py" -m ppcompile bench --only overhead --out "$results" --no-docs \
-  "${bench_args[@]}"
-# Startup: graphs captured and seconds of the first forward, and pool growth: all vs lazy vs planned.
-step lazy_capture 75 "$py" bench/lazy_capture.py --device "$([ "$dry" = 1 ] && echo cpu || echo cuda)"
-cp "$results/lazy_capture.log" "$results/lazy_capture.txt" 2>/dev/null
-# Where folding a tiny graph segment into its breaks stops paying (DEFAULT_FOLD_GRAPH_OPS follows it).
-if [ "$dry" = 1 ]; then fold_args=(--device cpu --graph-mode emulate --ks 1,2); else fold_args=(--device cuda); fi
-step fold_segments 45 "$py" bench/fold_segments.py "${fold_args[@]}"
-cp "$results/fold_segments.log" "$results/fold_segments.txt" 2>/dev/null
-# Launches outside graph replays per forward, by kind: per-tensor torch copies vs one fused launch.
-step launches 40 "$py" bench/launches.py --device "$([ "$dry" = 1 ] && echo cpu || echo cuda)" --out "$results"
-cp "$results/launches.log" "$results/launches.txt" 2>/dev/null
-if [ "$dry" = 1 ]; then copy_args=(--dry-run); else copy_args=(); fi
-step fused_copy 30 "$py" bench/fused_copy.py --out "$results" "${copy_args[@]}"
-cp "$results/fused_copy.log" "$results/fused_copy.txt" 2>/dev/null
-"$py" -m ppcompile bench --render "$results" --docs-file "$results/benchmarks.md" 2>&1 | tee -a "$results/summary.txt"
-echo "gpu_check: done; results in $results (summary.txt, benchmarks.md)"
+render_s=$(limit_of render)
+step() {  # step NAME LIMIT: runs the step under its limit, log in NAME.log, one line in summary.txt
+  local name=$1 limit=$2
+  local start=$SECONDS note=""
+  local left=$((BUDGET_S - SECONDS - render_s))  # never eat the render's time or the budget
+  if [ "$dry" = 0 ] && [ "$left" -lt "$limit" ]; then
+    limit=$left
+    note=" (limit cut to ${left} s: budget)"
+  fi
+  if [ "$limit" -lt 10 ]; then
+    echo "$name: skipped: ${left} s of the budget left" | tee -a "$results/summary.txt"
+    return
+  fi
+  command_of "$name" "$limit" || return
+  echo "== $name (limit ${limit}s): ${cmd[*]}"
+  timeout --kill-after=5 "$((limit - 5))" "${cmd[@]}" >"$results/$name.log" 2>&1
+  local rc=$?
+  { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && note="$note (timed out)"
+  echo "$name: rc=$rc$note in $((SECONDS - start)) s (limit ${limit} s)" | tee -a "$results/summary.txt"
+  case "$TXT_STEPS" in *" $name "*) cp "$results/$name.log" "$results/$name.txt" ;; esac
+  tail -n 25 "$results/$name.log"
+}
+
+for entry in "${plan[@]}"; do
+  step "${entry%%=*}" "${entry#*=}"
+done
+timeout --kill-after=2 "$((render_s - 2))" \
+  "$py" -m ppcompile bench --render "$results" --docs-file "$results/benchmarks.md" 2>&1 \
+  | tee -a "$results/summary.txt"
+echo "gpu_check: done in $SECONDS s (budget $BUDGET_S s); results in $results (summary.txt, preflight.json," \
+     "benchmarks.md)" | tee -a "$results/summary.txt"
