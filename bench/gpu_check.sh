@@ -171,7 +171,7 @@ step() {  # step NAME LIMIT: runs the step under its limit, log in NAME.log, one
   local left=$((BUDGET_S - SECONDS - render_s))  # never eat the render's time or the budget
   if [ "$dry" = 0 ] && [ "$left" -lt "$limit" ]; then
     limit=$left
-    note=" (limit cut to ${left} s: budget)"
+    note=" (limit cut to what the budget has left)"
   fi
   if [ "$limit" -lt 10 ]; then
     echo "$name: skipped: ${left} s of the budget left" | tee -a "$results/summary.txt"
