@@ -193,5 +193,6 @@ done
 timeout --kill-after=2 "$((render_s - 2))" \
   "$py" -m ppcompile bench --render "$results" --docs-file "$results/benchmarks.md" 2>&1 \
   | tee -a "$results/summary.txt"
-echo "gpu_check: done in $SECONDS s (budget $BUDGET_S s); results in $results (summary.txt, preflight.json," \
+[ "$dry" = 1 ] && budget_note="" || budget_note=" (budget $BUDGET_S s)"
+echo "gpu_check: done in $SECONDS s$budget_note; results in $results (summary.txt, preflight.json," \
      "benchmarks.md)" | tee -a "$results/summary.txt"
