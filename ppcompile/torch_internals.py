@@ -298,11 +298,11 @@ def tracing_context(fake_mode: Any) -> Iterator[None]:
 def custom_op_module(qualname: str) -> str | None:
     """The Python module that defined the ``torch.library.custom_op`` named ``qualname`` (``ns::op``),
     or None for an op defined otherwise (``torch.library.define``, C++)."""
-    why = "to find the module that registers a custom op"
-    opdef = _lookup("torch._library.custom_ops", "OPDEFS", why).get(qualname)
-    if opdef is None:
+    fn = custom_op_implementation(qualname)
+    if fn is None:
         return None
-    module = _attr(_attr(opdef, "_init_fn", "CustomOpDef", why), "__module__", "a custom op's function", why)
+    why = "to find the module that registers a custom op"
+    module = _attr(fn, "__module__", "a custom op's function", why)
     return module if isinstance(module, str) and not module.startswith("__") else None
 
 

@@ -149,7 +149,7 @@ def _probe(fn: Callable[..., Any], node: torch.fx.Node) -> str | None:
     return None
 
 
-_HOST_READS = ("item", "_local_scalar_dense", "tolist", "numpy")
+_HOST_READS = frozenset(name for name, why in HOST_READ_OPS.items() if why is _SYNC)
 
 
 class CaptureRules:

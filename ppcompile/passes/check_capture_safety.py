@@ -6,8 +6,8 @@ Python number Dynamo passes as a 0-d CPU tensor (a norm's ``eps``) is no host re
 fails gets ``meta["pp_capture_unsafe"]`` with the reason, and ``split_at_breaks`` makes it a break that
 runs eagerly on live rows (attention and ``split_ops`` are breaks already and are not judged: a custom
 op is probed by running its Python implementation once on fake tensors, at compile time). Inside a
-declared token-local region the whole region becomes that break (its
-inner values are not token-major). The verdict does not depend on the graph mode or the segment
+declared token-local region the whole region becomes that break (its inner values are not token-major).
+The verdict does not depend on the graph mode or the segment
 compiler: a stage splits the same way on the CPU emulation as on a GPU, so one that runs on CPU does not
 fail capture on a GPU for an op reason.
 
