@@ -21,8 +21,9 @@ import torch
 from ppcompile.debug.capture import capture_records
 from ppcompile.debug.dumps import distributed_rank, emit_artifact, stage_dir, write_graph, write_text
 from ppcompile.debug.memory import SegmentMemory, memory_section, segment_memory
-from ppcompile.runtime.codegen import copied_after, graph_forward_source, replay_passes_args
+from ppcompile.runtime.codegen import graph_forward_source, replay_passes_args
 from ppcompile.runtime.executors import EXECUTORS
+from ppcompile.runtime.program import GraphStep
 from ppcompile.torch_internals import compile_id
 
 if TYPE_CHECKING:
@@ -172,7 +173,8 @@ def _buffers(runtime: StageRuntime) -> tuple[list[dict[str, Any]], dict[int, str
     program = runtime.program
     names: dict[int, str] = {}
     buffers = []
-    for slot, buf in (*program.input_buffers.items(), *program.bridge_buffers.items()):
+    for slot, plan in program.buffers.items():
+        buf = plan.spec
         names[slot] = buf.name
         buffers.append({
             "name": buf.name,
@@ -182,20 +184,12 @@ def _buffers(runtime: StageRuntime) -> tuple[list[dict[str, Any]], dict[int, str
             "device": str(buf.device),
             "token_dims": list(buf.token_dims),
             "bytes": buf.nbytes,
-            "read_by": [st.segment.name for st in program.steps
-                        if st.segment.is_graph and any(r.slot == slot for r in st.args)],
-            "written_by": [st.segment.name for st in program.steps if slot in copied_after(st)],
+            "read_by": [st.segment.name for st in program.graph_steps
+                        if any(r.slot == slot for r in st.args)],
+            "written_by": [st.segment.name for st in program.break_steps
+                           if st.copies is not None and slot in st.copies.slots],
         })
     return buffers, names
-
-
-def _produced_by(program: Any, slot: int) -> str:
-    """``segment[i]``: the segment output held in ``slot``."""
-    for st in program.steps:
-        for i, s in st.writes:
-            if s == slot:
-                return f"{st.segment.name}[{i}]"
-    return f"slot {slot}"
 
 
 def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageInfo | None) -> list[Any]:
@@ -205,6 +199,13 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageI
         seg = step.segment
         reason = seg.reason
         mem = info.memory.get(seg.name) if info is not None and runtime.eager_reason is None else None
+        copied: tuple[int, ...]
+        in_place: tuple[int, ...]
+        written: tuple[int, ...]
+        if isinstance(step, GraphStep):
+            copied, in_place, written = (), (), step.writes_buffers
+        else:
+            copied, in_place, written = step.copies.slots if step.copies else (), step.in_place, ()
         out.append({
             "index": step.index,
             "name": seg.name,
@@ -220,9 +221,9 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageI
             },
             "reads_static": [buffer_names[r.slot] for r in step.args
                              if seg.is_graph and r.slot in buffer_names],
-            "writes_static": [buffer_names[s] for s in copied_after(step) if s in buffer_names],
-            "writes_in_place": [*(_produced_by(runtime.program, s) for s in step.in_place),
-                                *(buffer_names[s] for s in step.writes_buffers if s in buffer_names)],
+            "writes_static": [buffer_names[s] for s in copied if s in buffer_names],
+            "writes_in_place": [*(runtime.program.producer(s) for s in in_place),
+                                *(buffer_names[s] for s in written if s in buffer_names)],
             "output_bytes_at_cap": mem.output_bytes(cap) if mem else None,
             "transient_bytes_at_cap": mem.transient_bytes(cap) if mem else None,
         })

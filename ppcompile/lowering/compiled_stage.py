@@ -81,13 +81,11 @@ def _eager_reason(
                  "graphs; 'emulate' runs the graph path)")
         return f"{asked}: the segments run at the live token count, with no graphs, padding or static buffers"
     readable = (InputKind.MODULE_STATE, InputKind.TENSOR, InputKind.CONSTANT_SCALAR)
-    for st in program.steps:
-        if not st.segment.is_graph:
-            continue
+    for st in program.graph_steps:
         for r in st.args:
             if 0 <= r.slot < len(ctx.input_kinds) and ctx.input_kinds[r.slot] not in readable:
                 return f"graph segment {st.segment.name} reads a non-tensor input (slot {r.slot})"
-    if not any(st.segment.is_graph for st in program.steps):
+    if not program.graph_steps:
         return "the stage has no graph segments"
     if not plan.sizes:
         return (f"no capture size is a token count the stage graph was traced for (Dynamo's shape "
@@ -110,7 +108,8 @@ def lower_stage(
     """The frozen stage: ``split`` (after the passes) with its compiled segment callables.
     ``skip_size_asserts``: the compiled segments do not check their inputs' sizes and strides (the live
     path checks what no guard or segment vouches for)."""
-    program = build_program(split, compiled)
+    program = build_program(split, compiled, token=ctx.token_symbol,
+                            traced_strides=config.segment_compiler != "eager" and not ctx.is_static)
     kinds = ctx.input_kinds
     symbol_slots = tuple((i, e) for i, e in ctx.symint_inputs.items() if isinstance(e, sympy.Symbol))
     tensor_slots = tuple(i for i, k in enumerate(kinds) if k is InputKind.TENSOR)
@@ -132,7 +131,6 @@ def lower_stage(
         input_specs=input_specs(ctx.static_inputs, known),
         live_checks=tuple(checked_values(program, tensor_slots, known))
         if skip_size_asserts and not ctx.is_static else (),
-        traced_strides=config.segment_compiler != "eager" and not ctx.is_static,
         eager_reason=_eager_reason(ctx, program, plan, config, graph_mode),
         split_module=split,
         segment_compiles=tuple(segment_compiles),

@@ -2,22 +2,26 @@
 
 Each value of the split graph (an input, a segment output) gets a slot. A step names the segment's
 callable, where each argument comes from (a slot, or a size expression), and which slots its outputs
-fill; graph steps also say which outputs breaks or callers read at the live size, break steps which
-outputs graphs read through static bridges.
+fill. Everything the runtime and the reports need about the data path is decided here, once: which
+graph outputs breaks or callers read at the live size (``GraphStep.live_views``), which static values a
+graph writes in place, each static buffer's plan (``BufferPlan``: role, traced layout, bucket views),
+and each copy point (``CopyPoint``: the buffers it fills after which break, which of them are fused).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import sympy
 import torch
 
 from ppcompile.analysis.token_locality import mutated_inputs
 from ppcompile.records import Segment
-from ppcompile.runtime.program import Program, Ref, SegmentFn, Step, TensorLayout
+from ppcompile.runtime.program import BreakStep, CopyPoint, GraphStep, Program, Ref, SegmentFn, Step
+from ppcompile.runtime.static_buffers import BufferPlan, TensorLayout, follows_token_count
 from ppcompile.symbolic import SizeFn, example_value, size_expr
 
 __all__ = ["build_program"]
@@ -60,9 +64,63 @@ def _written_args(submod: torch.fx.GraphModule) -> set[int]:
     return {i for i, p in enumerate(placeholders) if p in written}
 
 
-def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[..., Any]]) -> Program:
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """A step as read off the split graph, before lowering knows what later steps read."""
+
+    index: int
+    segment: Segment
+    fn: SegmentFn
+    args: tuple[Ref, ...]
+    out_slots: tuple[int, ...]
+    out_sizes: tuple[tuple[SizeFn, ...] | SizeFn | None, ...]
+    out_layouts: tuple[TensorLayout | None, ...]
+    call: Callable[..., Any]
+    single_output: bool
+    written: tuple[int, ...]  # slots of the arguments the segment writes in place
+
+    def common(self) -> dict[str, Any]:
+        """The fields every ``Step`` has."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "written"}
+
+
+def _copy_point(index: int, after: int | None, slots: tuple[int, ...], refreshes: tuple[int, ...],
+                buffers: Mapping[int, BufferPlan]) -> CopyPoint:
+    return CopyPoint(index, after, slots, tuple(s for s in slots if buffers[s].fusable), refreshes)
+
+
+def _buffer_plans(slots: Mapping[torch.fx.Node, int], steps: Sequence[_Traced],
+                  token_dims: Mapping[int, tuple[tuple[int, SizeFn], ...]], traced_strides: bool,
+                  token: sympy.Symbol | None) -> dict[int, BufferPlan]:
+    """A plan per static buffer, inputs first (in input order), then bridges (in step order)."""
+    what: dict[int, str] = {}
+    traced: dict[int, TensorLayout | None] = {}
+    for node, slot in slots.items():
+        if node.op == "placeholder":
+            what[slot] = f"input {node.name!r}"
+            value = example_value(node)
+            traced[slot] = TensorLayout.of(value) if isinstance(value, torch.Tensor) else None
+    for st in steps:
+        for i, s in enumerate(st.out_slots):
+            if s >= 0 and not st.segment.is_graph:
+                what[s] = f"the output {i} of break segment {st.segment.name}"
+                traced[s] = st.out_layouts[i] if i < len(st.out_layouts) else None
+    plans: dict[int, BufferPlan] = {}
+    for node, slot in sorted(slots.items(), key=lambda kv: (kv[0].op != "placeholder", kv[1])):
+        spec = node.meta.get("pp_static_buffer")
+        if spec is None:
+            continue
+        layout = traced.get(slot) if traced_strides else None
+        plans[slot] = BufferPlan(slot, spec, what.get(slot, f"slot {slot}"), tuple(token_dims.get(slot, ())),
+                                 layout, layout is not None and follows_token_count(layout, token))
+    return plans
+
+
+def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[..., Any]], *,
+                  traced_strides: bool = False, token: sympy.Symbol | None = None) -> Program:
     """Flattens ``split`` (after the passes) into a ``Program``; ``compiled`` maps submodule names to
-    their compiled callables."""
+    their compiled callables. ``traced_strides``: graph segments were compiled for their inputs' traced
+    strides, so static buffers take them (``token``: the token symbol, for strides that follow it)."""
     slots: dict[torch.fx.Node, int] = {}
     placeholders = list(split.graph.find_nodes(op="placeholder"))
     for i, p in enumerate(placeholders):
@@ -85,7 +143,7 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
 
     for p in placeholders:
         slot_of(p)
-    steps: list[Step] = []
+    traced: list[_Traced] = []
     for node in split.graph.find_nodes(op="call_module"):
         segment: Segment = node.meta["pp_segment"]
         (out,) = getattr(split, str(node.target)).graph.find_nodes(op="output")
@@ -98,59 +156,53 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
         else:
             out_slots = [slot_of(node)]
         fn = compiled[str(node.target)]
-        steps.append(Step(
-            index=len(steps),
-            segment=segment,
-            fn=fn if multi else _unwrap_single(fn),
-            args=tuple(ref(a) for a in node.args),
-            out_slots=tuple(out_slots),
-            writes=tuple((i, s) for i, s in enumerate(out_slots) if s >= 0),
-            out_sizes=_output_sizes(out, multi),
-            out_layouts=_output_layouts(out, multi),
-            call=fn,
-            single_output=not multi,
+        args = tuple(ref(a) for a in node.args)
+        traced.append(_Traced(
+            index=len(traced), segment=segment, fn=fn if multi else _unwrap_single(fn), args=args,
+            out_slots=tuple(out_slots), out_sizes=_output_sizes(out, multi),
+            out_layouts=_output_layouts(out, multi), call=fn, single_output=not multi,
+            written=tuple(args[i].slot for i in sorted(_written_args(getattr(split, segment.name)))),
         ))
 
     (output,) = split.graph.find_nodes(op="output")
-    results = output.args[0]
-    outputs = tuple(ref(r) if isinstance(r, torch.fx.Node) else r for r in results)
-
+    outputs = tuple(ref(r) if isinstance(r, torch.fx.Node) else r for r in output.args[0])
+    buffers = _buffer_plans(slots, traced, token_dims, traced_strides, token)
     node_of = {s: n for n, s in slots.items()}
-    graph_reads = {a.slot for st in steps if st.segment.is_graph for a in st.args if a.slot >= 0}
-    live_reads = {a.slot for st in steps if not st.segment.is_graph for a in st.args if a.slot >= 0}
+    graph_reads = {a.slot for st in traced if st.segment.is_graph for a in st.args if a.slot >= 0}
+    live_reads = {a.slot for st in traced if not st.segment.is_graph for a in st.args if a.slot >= 0}
     live_reads |= {r.slot for r in outputs if isinstance(r, Ref) and r.slot >= 0}
-    graph_outputs = {s for st in steps if st.segment.is_graph for s in st.out_slots if s >= 0}
-    bridge_buffers = {slots[n]: n.meta["pp_static_buffer"] for n in slots
-                      if n.op != "placeholder" and "pp_static_buffer" in n.meta}
-    input_buffers = {
-        slots[n]: n.meta["pp_static_buffer"] for n in placeholders if "pp_static_buffer" in n.meta
-    }
-    buffered = input_buffers.keys() | bridge_buffers.keys()
-    finished = []
-    for st in steps:
-        written = [st.args[i].slot for i in sorted(_written_args(getattr(split, st.segment.name)))]
+    graph_outputs = {s for st in traced if st.segment.is_graph for s in st.out_slots if s >= 0}
+    copy_in = _copy_point(0, None, tuple(s for s in buffers if s < len(placeholders)), (), buffers)
+    points = 1
+    steps: list[Step] = []
+    for st in traced:
+        common = st.common()
+        written = [s for s in st.written if s >= 0]
         if st.segment.is_graph:
             read = [s for s in st.out_slots if s in live_reads]
             tensors = tuple(s for s in read if isinstance(example_value(node_of[s]), torch.Tensor))
-            numbers = tuple(s for s in read if s not in tensors)
-            finished.append(dataclasses.replace(
-                st, live_views=tensors, live_values=numbers,
-                writes_buffers=tuple(s for s in written if s in buffered)))
-        else:
-            bridges = tuple(s for s in st.out_slots if s in graph_reads)
-            read_later = {a.slot for later in steps[st.index + 1:] if later.segment.is_graph
-                          for a in later.args}
-            finished.append(dataclasses.replace(
-                st, bridges=bridges, in_place=tuple(s for s in written if s in graph_outputs),
-                refreshes=tuple(s for s in written if s in read_later and s in buffered)))
+            steps.append(GraphStep(
+                **common, live_views=tensors, live_values=tuple(s for s in read if s not in tensors),
+                writes_buffers=tuple(s for s in written if s in buffers)))
+            continue
+        read_later = {a.slot for later in traced[st.index + 1:] if later.segment.is_graph for a in later.args}
+        # Unbuffered graph reads only happen in a stage that never graphs (concrete sizes: nothing lifted).
+        bridges = tuple(s for s in st.out_slots if s in graph_reads and s in buffers)
+        refreshes = tuple(s for s in written if s in read_later and s in buffers)
+        copies = None
+        if bridges or refreshes:
+            copies = _copy_point(points, st.index, (*bridges, *refreshes), refreshes, buffers)
+            points += 1
+        steps.append(BreakStep(**common, in_place=tuple(s for s in written if s in graph_outputs),
+                               copies=copies))
     return Program(
         num_slots=len(slots),
         num_inputs=len(placeholders),
-        steps=tuple(finished),
+        steps=tuple(steps),
         outputs=outputs,
         token_dims=token_dims,
-        bridge_buffers=bridge_buffers,
-        input_buffers=input_buffers,
+        buffers=buffers,
+        copy_in=copy_in,
         input_layouts={slots[p]: (p.name, TensorLayout.of(ev)) for p in placeholders
                        if isinstance(ev := example_value(p), torch.Tensor)},
     )

@@ -48,7 +48,8 @@ The function holds the program's callables, never the runtime (no reference cycl
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -57,12 +58,11 @@ import torch
 from ppcompile.errors import add_note
 from ppcompile.runtime import static_buffers
 from ppcompile.runtime.layout_checks import CheckedValue, LiveLayouts
-from ppcompile.runtime.program import Program, Ref, Step
+from ppcompile.runtime.program import CopyPoint, GraphStep, Program, Ref, Step
 from ppcompile.symbolic import SizeFn
 
-__all__ = ["CopyFunctions", "GraphForward", "LiveForward", "copy_functions", "copy_points",
-           "graph_forward_source", "live_forward_source", "make_graph_forward", "make_live_forward",
-           "replay_passes_args"]
+__all__ = ["COPY_FUNCTIONS", "CopyFunctions", "GraphForward", "LiveForward", "graph_forward_source",
+           "live_forward_source", "make_graph_forward", "make_live_forward", "replay_passes_args"]
 
 LiveForward = Callable[[Sequence[Any], Mapping[sympy.Symbol, int]], tuple[Any, ...]]
 GraphForward = Callable[..., tuple[Any, ...]]
@@ -201,36 +201,17 @@ def replay_passes_args(binds_inputs: bool, debug: bool) -> bool:
 
 CopyFunctions = Mapping[str, Callable[..., None]]  # "copy_rows", "copy_in", "bridge_rows", "bridge_in"
 
-
-def copy_functions() -> dict[str, Callable[..., None]]:
-    """The copy functions graph paths call, as ``static_buffers`` has them now (looked up per call, not
-    at import: a test may have swapped one for a lossy copy): inputs and bridges alike."""
-    rows, into = static_buffers.copy_rows, static_buffers.copy_in
-    return {"copy_rows": rows, "copy_in": into, "bridge_rows": rows, "bridge_in": into}
-
-
-def copy_points(program: Program, apart: Collection[int] = ()) -> tuple[tuple[int, ...], ...]:
-    """The slots each fused copier fills, by copy point: the live inputs first, then what each break
-    that copies any fills (:func:`copied_after`), in step order. A copier binds one layout per buffer
-    and narrows one dim, so values with several token dims and the slots ``apart`` (buffers viewed per
-    bucket with their own strides, ``layout_checks.token_strided``) are copied by torch ops; a point
-    may be empty."""
-    def single(slots: Iterable[int]) -> tuple[int, ...]:
-        return tuple(s for s in slots if len(program.token_dims.get(s, ())) <= 1 and s not in apart)
-
-    bridged = [single(copied) for copied in map(copied_after, program.steps) if copied]
-    return (single(program.input_buffers), *bridged)
-
-
-def copied_after(step: Step) -> tuple[int, ...]:
-    """The static buffers a break step's copy point fills: its bridged outputs, then the static values it
-    wrote in place (``Step.refreshes``); nothing for a graph step."""
-    return () if step.segment.is_graph else (*step.bridges, *step.refreshes)
+COPY_FUNCTIONS: CopyFunctions = types.MappingProxyType({
+    "copy_rows": static_buffers.copy_rows, "copy_in": static_buffers.copy_in,
+    "bridge_rows": static_buffers.copy_rows, "bridge_in": static_buffers.copy_in,
+})
+"""The copy functions the graph path calls: live inputs (``copy_*``) and bridges (``bridge_*``) alike;
+instrumentation wraps them by category (``"copy-in"``, ``"bridge copies"``)."""
 
 
 def graph_forward_source(
     program: Program, binds_inputs: bool, pass_args: bool, copies: CopyFunctions | None = None,
-    fused: bool = False, apart: Collection[int] = (),
+    fused: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """The generated source of ``program``'s graph path for one bucket and the globals it reads.
 
@@ -241,12 +222,12 @@ def graph_forward_source(
     (zeroing the padding rows), replay graph segments, narrow what breaks and callers read to the live
     size, run breaks on live tensors and copy what graphs read into static bridges; last, copy each
     input a graph wrote in place back into the caller's tensor. ``copies``: the
-    functions that copy inputs and bridges (default :func:`copy_functions`; a profiler wraps them).
-    ``fused``: each copy point is one call of its copier (``copiers[k]``, :func:`copy_points`), e.g.
-    ``copiers[0]((v0, v1), (n0, n0), (b0, b0))``, instead of a copy and a zeroing per tensor; the
-    slots ``apart`` are never fused (:func:`copy_points`).
+    functions that copy inputs and bridges (default :data:`COPY_FUNCTIONS`; a profiler wraps them).
+    ``fused``: each copy point (``Program.copy_points``) fills its ``fused`` buffers with one call of
+    its copier (``copiers[point.index]``), e.g. ``copiers[0]((v0, v1), (n0, n0), (b0, b0))``, instead of
+    a copy and a zeroing per tensor; its other buffers are filled by torch ops.
     """
-    names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, **(copies or copy_functions())}
+    names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, **(copies or COPY_FUNCTIONS)}
     live, bucket = _Sizes("n", "env_n", names), _Sizes("b", "env_b", names)
     body: list[str] = []
 
@@ -281,12 +262,9 @@ def graph_forward_source(
             names[f"dims_{slot}"] = dims
             body.append(f"v{slot} = narrow_to(static[{slot}], dims_{slot}, env_n)")
 
-    points, next_point = copy_points(program, apart), iter(range(len(program.steps) + 1))
-
-    def fill_point(slots: Iterable[int], kind: str) -> None:
-        """Fills the static buffers of ``slots``: one copier call (``fused``), or each on its own."""
-        k = next(next_point)
-        fused_slots = points[k] if fused else ()
+    def fill_point(point: CopyPoint) -> None:
+        """Fills the static buffers of ``point``: one copier call for its fused ones, or each on its own."""
+        fused_slots = point.fused if fused else ()
         if fused_slots:
 
             def sizes(of: Callable[[SizeFn], str], s: int) -> str:
@@ -296,15 +274,16 @@ def graph_forward_source(
             srcs = ", ".join(f"v{s}" for s in fused_slots)
             ns = ", ".join(sizes(live, s) for s in fused_slots)
             bs = ", ".join(sizes(bucket, s) for s in fused_slots)
-            body.append(f"copiers[{k}](({srcs},), ({ns},), ({bs},))")
-        for slot in slots:
+            body.append(f"copiers[{point.index}](({srcs},), ({ns},), ({bs},))")
+        kind = "copy" if point.after is None else "bridge"
+        for slot in point.slots:
             if slot not in fused_slots:
                 fill(f"static[{slot}]", f"v{slot}", slot, kind)
 
-    fill_point(program.input_buffers, "copy")
+    fill_point(program.copy_in)
     for step in program.steps:
         body.append(f"step = {step.index}")
-        if step.segment.is_graph:
+        if isinstance(step, GraphStep):
             args = ""
             if pass_args:
                 args = ", ".join(bucket(r.size) if r.size is not None else f"static[{r.slot}]"
@@ -321,11 +300,9 @@ def graph_forward_source(
         else:
             args = ", ".join(live(r.size) if r.size is not None else f"v{r.slot}" for r in step.args)
             body.append(_call_segment(step, args, names))
-            if copied_after(step):
-                fill_point(copied_after(step), "bridge")
-    written_inputs = dict.fromkeys(s for st in program.steps if st.segment.is_graph
-                                   for s in st.writes_buffers if s < program.num_inputs)
-    body += [f"args[{s}].copy_(v{s})" for s in written_inputs]  # the caller's tensor, as eager writes it
+            if step.copies is not None:
+                fill_point(step.copies)
+    body += [f"args[{s}].copy_(v{s})" for s in program.written_inputs]  # the caller's tensor, as eager
     outputs = _outputs(program, live, names)
     header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers):"
     source = _function(header,
@@ -342,13 +319,12 @@ def _annotate_graph_path(stage: str, segments: Sequence[str], e: BaseException, 
 
 
 def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_args: bool,
-                       copies: CopyFunctions | None = None, fused: bool = False,
-                       apart: Collection[int] = ()) -> GraphForward:
+                       copies: CopyFunctions | None = None, fused: bool = False) -> GraphForward:
     """Compiles ``program``'s graph path (:func:`graph_forward_source`): called as
     ``fn(args, static, env_n, env_b, executor.replay, n, b, copiers)``
-    (``copiers``: one per :func:`copy_points` entry when ``fused``, else unused), it returns the stage's
+    (``copiers``: one per ``Program.copy_points`` entry when ``fused``, else unused), it returns the stage's
     outputs at the live size (views into static memory)."""
-    source, names = graph_forward_source(program, binds_inputs, pass_args, copies, fused, apart)
+    source, names = graph_forward_source(program, binds_inputs, pass_args, copies, fused)
     segments = tuple(st.segment.name for st in program.steps)
     fn: GraphForward = _exec("graph_forward", stage, source, names,
                              functools.partial(_annotate_graph_path, stage, segments))

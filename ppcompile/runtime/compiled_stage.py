@@ -37,7 +37,6 @@ class CompiledStage:
     tensor_slots: tuple[int, ...]  # live tensor inputs
     input_specs: tuple[InputSpec, ...]  # what graph-path calls check before copying in
     live_checks: tuple[CheckedValue, ...]  # what the live path checks (segments without size asserts)
-    traced_strides: bool  # compiled segments read static buffers with the strides they were traced for
     eager_reason: str | None  # why every forward runs eagerly, or None
     split_module: torch.fx.GraphModule
     segment_compiles: tuple[Any, ...] = ()

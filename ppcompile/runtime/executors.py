@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ppcompile.runtime.program import strides_match
+from ppcompile.runtime.static_buffers import strides_match
 from ppcompile.torch_internals import cuda_graph_capture, has_internal_overlap, storage_from_data_pointer
 
 __all__ = [

@@ -12,13 +12,14 @@ These methods read the runtime's state and never serve a call; ``StageRuntime`` 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
+from ppcompile.config import PPBreakableConfig
 from ppcompile.records import Segment
 from ppcompile.runtime.buckets import BucketPlan
-from ppcompile.runtime.codegen import CopyFunctions, GraphForward, LiveForward, copy_functions
+from ppcompile.runtime.codegen import LiveForward, replay_passes_args
+from ppcompile.runtime.graph_path import Wrap
 from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.program import Program
 
@@ -35,10 +36,9 @@ class StageInspection:
     segments: list[Segment]
     eager_reason: str | None
     _states: dict[tuple[Any, ...], StageInstance]
+    config: PPBreakableConfig
     _live_forward: LiveForward
-    _graph_forwards: dict[tuple[bool, bool, bool], GraphForward]
-    _instrumented: dict[int, tuple[Any, ...]]
-    _copies: CopyFunctions | None
+    _wrap: Wrap | None
 
     def static_bytes(self) -> int:
         """Bytes of static memory this runtime holds over all module instances: static input buffers,
@@ -56,40 +56,19 @@ class StageInspection:
         return {i: state.captured_buckets for i, state in enumerate(self._states.values())}
 
     @contextlib.contextmanager
-    def instrumented(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    def instrumented(self, wrap: Wrap) -> Iterator[None]:
         """While open, graph-path calls run with their parts wrapped by ``wrap(category, fn)``: graph
         replays as ``"graph replays"``, break segments as ``"break segments"``, copies of live inputs into
         static buffers as ``"copy-in"`` and of break outputs into bridges as ``"bridge copies"`` (for
-        profilers and benchmarks: ``bench/overhead.py``, ``bench/launches.py``). The wrapped per-call code
-        is generated at the first call inside a block and kept for later blocks with the same ``wrap``;
-        calls outside run the plain code. Not for use while other threads call the stage."""
-        cached = self._instrumented.get(id(wrap))
-        if cached is None or cached[0] is not wrap:
-            program = dataclasses.replace(self.program, steps=tuple(
-                st if st.segment.is_graph else dataclasses.replace(
-                    st, fn=wrap("break segments", st.fn),
-                    call=None if st.call is None else wrap("break segments", st.call))
-                for st in self.program.steps))
-            copies = {name: wrap("bridge copies" if name.startswith("bridge") else "copy-in", fn)
-                      for name, fn in copy_functions().items()}
-            cached = self._instrumented[id(wrap)] = (wrap, program, {}, copies)
-        _, program, forwards, copies = cached
-        saved = (self.program, self._graph_forwards, self._copies)
-        states = list(self._states.values())
-        saved_copiers = [state.copiers for state in states]
-        for state in states:
-            state.executor.replay = wrap("graph replays", state.executor.replay)  # type: ignore[method-assign]
-            if state.copiers is not None:  # point 0 copies the inputs; the others bridges
-                state.copiers = tuple(None if c is None else wrap("bridge copies" if k else "copy-in", c)
-                                      for k, c in enumerate(state.copiers))
-        self.program, self._graph_forwards, self._copies = program, forwards, copies
+        profilers and benchmarks: ``bench/overhead.py``, ``bench/launches.py``). Each instance binds the
+        wrapped path at its first call inside a block and keeps it for later blocks with the same
+        ``wrap`` (``graph_path.py``); calls outside run the plain path. Not for use while other threads
+        call the stage."""
+        saved, self._wrap = self._wrap, wrap
         try:
             yield
         finally:
-            self.program, self._graph_forwards, self._copies = saved
-            for state, copiers in zip(states, saved_copiers):
-                state.executor.__dict__.pop("replay", None)
-                state.copiers = copiers
+            self._wrap = saved
 
     def instances(self) -> tuple[StageInstance, ...]:
         """The captured state of each module instance served so far, in order of first call (read-only:
@@ -99,9 +78,12 @@ class StageInspection:
     def generated_code(self) -> dict[str, str]:
         """The per-call code generated for this stage: the live path, and the graph paths built so far."""
         code = {"live": str(getattr(self._live_forward, "source", ""))}
-        for (binds, pass_args, fused), fn in self._graph_forwards.items():
-            what = f"binds inputs {binds}, passes args {pass_args}" + (", fused copies" if fused else "")
-            code[f"graph ({what})"] = str(getattr(fn, "source", ""))
+        for state in self._states.values():
+            binds, pass_args = state.executor.binds_inputs, replay_passes_args(state.executor.binds_inputs,
+                                                                               self.config.debug)
+            what = f"binds inputs {binds}, passes args {pass_args}" + (
+                ", fused copies" if state.copiers is not None else "")
+            code.setdefault(f"graph ({what})", str(getattr(state.forward.code, "source", "")))
         return code
 
     def describe(self) -> str:

@@ -21,19 +21,15 @@ import torch
 
 from ppcompile.counters import counters
 from ppcompile.runtime.capture_diagnosis import describe_node, failing_node
-from ppcompile.runtime.codegen import copy_points
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.executors import GraphExecutor, make_executor
 from ppcompile.runtime.fused_copy import RowCopier, make_row_copier
-from ppcompile.runtime.layout_checks import check_static_layout
+from ppcompile.runtime.graph_path import GraphPath, Wrap, bind_graph_path, instrumented_path
 from ppcompile.runtime.observer import CaptureObserver
-from ppcompile.runtime.program import Step, TensorLayout
+from ppcompile.runtime.program import GraphStep
 from ppcompile.runtime.stale_outputs import OutputTracker
-from ppcompile.runtime.static_buffers import allocate, bucket_view
 
 __all__ = ["StageInstance"]
-
-StaticLayouts = Mapping[int, tuple[str, TensorLayout]]
 
 
 class StageInstance:
@@ -41,22 +37,22 @@ class StageInstance:
     ``captured_buckets``, ``input_buffers``, ``bridge_buffers``, ``static_tensors()``, ``failed``)."""
 
     def __init__(self, compiled: CompiledStage, args: Sequence[Any], env_max: dict[sympy.Symbol, int],
-                 static_layouts: StaticLayouts, debug: bool, copy_kernel: str = "torch",
-                 token_strided: frozenset[int] = frozenset()) -> None:
+                 debug: bool, copy_kernel: str = "torch") -> None:
         program = compiled.program
         self._compiled = compiled
-        self._static_layouts = static_layouts
-        self._token_strided = token_strided  # buffers viewed per bucket with that bucket's strides
         # Strong references: the graphs read them (and bake scalars).
         self.module_state = tuple(args[i] for i in (*compiled.state_slots, *compiled.scalar_slots))
         self.executor: GraphExecutor = make_executor(compiled.graph_mode, debug, self._device())
-        self._input_buffers = {s: self._allocate(s, spec, env_max)
-                               for s, spec in program.input_buffers.items()}
-        self._bridge_buffers = {s: self._allocate(s, spec, env_max)
-                                for s, spec in program.bridge_buffers.items()}
-        # One fused copier per copy point (codegen.copy_points), or None: per-tensor torch ops.
+        # Static buffers by slot, in the plan's order (inputs, then bridges), in their traced layout.
+        self._buffers = {s: plan.allocate(env_max) for s, plan in program.buffers.items()}
+        # One fused copier per copy point (``Program.copy_points``), or None: per-tensor torch ops.
         self.copiers: tuple[Callable[..., None] | None, ...] | None = self._copiers(copy_kernel)
         self.tables: dict[int, list[Any]] = {}  # bucket -> slot table
+        # The graph path, generated and bound once (``graph_path.py``); instrumented variants by hook.
+        self._debug = debug
+        self.forward: GraphPath = bind_graph_path(program, compiled.name, self.tables, self.executor.replay,
+                                                  self.executor.binds_inputs, debug, self.copiers)
+        self._instrumented: dict[int, tuple[Wrap, GraphPath]] = {}
         self.failed: str | None = None  # capture="all": graphs are off for this instance
         self.failed_buckets: dict[int, str] = {}  # capture="lazy": buckets that run eagerly
         # Held for the duration of a graph-path call: a second concurrent entry raises, never waits.
@@ -69,12 +65,14 @@ class StageInstance:
     @property
     def input_buffers(self) -> Mapping[int, torch.Tensor]:
         """Static input buffers by input slot (at the largest bucket)."""
-        return types.MappingProxyType(self._input_buffers)
+        roles = self._compiled.program.buffers
+        return types.MappingProxyType({s: b for s, b in self._buffers.items() if roles[s].role == "input"})
 
     @property
     def bridge_buffers(self) -> Mapping[int, torch.Tensor]:
         """Static bridges (break outputs that graphs read) by slot."""
-        return types.MappingProxyType(self._bridge_buffers)
+        roles = self._compiled.program.buffers
+        return types.MappingProxyType({s: b for s, b in self._buffers.items() if roles[s].role == "bridge"})
 
     @property
     def captured_buckets(self) -> tuple[int, ...]:
@@ -82,8 +80,7 @@ class StageInstance:
 
     def static_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor calls write: static inputs, bridges, captured graph outputs."""
-        yield from self._input_buffers.values()
-        yield from self._bridge_buffers.values()
+        yield from self._buffers.values()
         module_slots = {*self._compiled.state_slots, *self._compiled.scalar_slots}
         for table in self.tables.values():
             for slot, value in enumerate(table):
@@ -100,53 +97,41 @@ class StageInstance:
         """A copier per copy point when ``copy_kernel`` gives Triton ones ("auto": on CUDA), else None."""
         if copy_kernel == "torch":
             return None
-        program = self._compiled.program
-        buffers = {**self._input_buffers, **self._bridge_buffers}
-
-        def token_dim(slot: int) -> int | None:
-            dims = program.token_dims.get(slot, ())
-            return dims[0][0] if dims else None
-
+        plans = self._compiled.program.buffers
         copiers = tuple(
-            make_row_copier([buffers[s] for s in slots], [token_dim(s) for s in slots], kernel=copy_kernel)
-            if slots else None
-            for slots in copy_points(program, self._token_strided))
+            make_row_copier([self._buffers[s] for s in point.fused],
+                            [plans[s].token_dim for s in point.fused], kernel=copy_kernel)
+            if point.fused else None
+            for point in self._compiled.program.copy_points)
         if not any(c is not None and c.kernel == "triton" for c in copiers):
             return None  # "auto" chose torch everywhere: the plain generated code is faster
         return copiers
 
+    def instrumented(self, wrap: Wrap) -> GraphPath:
+        """This instance's graph path with its parts wrapped by ``wrap`` (kept for later calls with it)."""
+        cached = self._instrumented.get(id(wrap))
+        if cached is None or cached[0] is not wrap:
+            compiled = self._compiled
+            path = instrumented_path(self.forward, compiled.program, compiled.name, wrap,
+                                     self.executor.binds_inputs, self._debug)
+            cached = self._instrumented[id(wrap)] = (wrap, path)
+        return cached[1]
+
     # ----------------------------------------------------------------------------------- capture
     def _device(self) -> torch.device | None:
         """Where the stage's graphs run: its static buffers' device, else its parameters'."""
-        program = self._compiled.program
-        for spec in (*program.input_buffers.values(), *program.bridge_buffers.values()):
-            return spec.device
+        for plan in self._compiled.program.buffers.values():
+            return plan.spec.device
         return next((t.device for t in self.module_state if isinstance(t, torch.Tensor)), None)
-
-    def _allocate(self, slot: int, spec: Any, env_max: dict[sympy.Symbol, int]) -> torch.Tensor:
-        """The static buffer of ``slot`` in the layout its graph segments were compiled for, at the
-        largest bucket (``static_buffers.allocate``)."""
-        described = self._static_layouts.get(slot)
-        traced = None if described is None else described[1].at(env_max)
-        return allocate(spec, None if traced is None else traced[1])
-
-    def _bucket_view(self, slot: int, buf: torch.Tensor, env: dict[sympy.Symbol, int]) -> torch.Tensor:
-        """What graphs read and write of ``buf`` at the bucket of ``env``: narrowed along its token dims,
-        or, for strides that follow the token count, viewed with that bucket's traced strides."""
-        dims = self._compiled.program.token_dims.get(slot, ())
-        if slot not in self._token_strided:
-            return bucket_view(buf, dims, env)
-        what, layout = self._static_layouts[slot]
-        return bucket_view(buf, dims, env, layout.at(env), what)
 
     def capture(self, runtime: Any, args: Sequence[Any], env: dict[sympy.Symbol, int],
                 buckets: Sequence[int], observer: CaptureObserver, budget_s: float | None = None) -> None:
         """Captures each graph segment at each of ``buckets`` in order (all, or until ``budget_s`` is
         spent after the first), filling ``tables``; raises on the first failure. ``env``: the call's
         symbols (the token symbol is set per bucket); ``observer`` is told about the run."""
-        graph_steps = [st for st in self._compiled.program.steps if st.segment.is_graph]
+        graph_steps = self._compiled.program.graph_steps
         start = time.perf_counter()
-        held = (*self._input_buffers.values(), *self._bridge_buffers.values(), *self.module_state)
+        held = (*self._buffers.values(), *self.module_state)
         recorder = observer(runtime, len(graph_steps), held, start, len(buckets))
         try:
             with torch.no_grad(), self.executor.capture_session():
@@ -162,7 +147,7 @@ class StageInstance:
         recorder.finish()  # logs the capture time and memory; rewrites the stage report when dumping
 
     def _capture_bucket(self, args: Sequence[Any], env: dict[sympy.Symbol, int], b: int,
-                        graph_steps: Sequence[Step]) -> list[Any]:
+                        graph_steps: Sequence[GraphStep]) -> list[Any]:
         """Bucket ``b``'s slot table, every graph segment captured. Its own frame: once the executor
         holds the bucket's graph outputs through non-owning tensors, no local of the loop keeps one
         alive (the pool reuses their blocks for the next bucket's capture)."""
@@ -173,10 +158,8 @@ class StageInstance:
         table: list[Any] = [None] * compiled.program.num_slots
         for i in (*compiled.state_slots, *compiled.scalar_slots):
             table[i] = args[i]
-        for s, buf in (*self._input_buffers.items(), *self._bridge_buffers.items()):
-            table[s] = self._bucket_view(s, buf, env)
-            if s in self._static_layouts:
-                check_static_layout(*self._static_layouts[s], table[s], env, b)
+        for s, buf in self._buffers.items():
+            table[s] = compiled.program.buffers[s].view(buf, env, b)
         for st in graph_steps:
             sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
             try:
@@ -202,7 +185,7 @@ class StageInstance:
                         table[s] = None
         return table
 
-    def _where(self, st: Step, sargs: Sequence[Any]) -> str:
+    def _where(self, st: GraphStep, sargs: Sequence[Any]) -> str:
         """`` (at node ...)`` naming the node of ``st``'s FX graph whose op fails under capture, if any."""
         module = getattr(self._compiled.split_module, st.segment.name, None)
         if not isinstance(module, torch.fx.GraphModule):

@@ -25,11 +25,11 @@ from typing import Any, NoReturn
 import sympy
 import torch
 
-from ppcompile.runtime.program import Program, TensorLayout, strides_match
+from ppcompile.runtime.program import Program
+from ppcompile.runtime.static_buffers import TensorLayout, strides_match
 from ppcompile.runtime.validation import GUARD_HINT, InputMismatchError
 
-__all__ = ["CheckedValue", "LayoutMismatchError", "LiveLayouts", "check_static_layout", "checked_values",
-           "static_layouts", "token_strided"]
+__all__ = ["CheckedValue", "LayoutMismatchError", "LiveLayouts", "checked_values"]
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,7 @@ def _described_layouts(program: Program) -> dict[int, tuple[str, bool, TensorLay
     and its traced layout."""
     described = {slot: (f"input {name!r}", True, layout)
                  for slot, (name, layout) in program.input_layouts.items()}
-    for st in program.steps:
-        if st.segment.is_graph:
-            continue
+    for st in program.break_steps:
         for i, slot in st.writes:
             layout = st.out_layouts[i] if i < len(st.out_layouts) else None
             if layout is not None:
@@ -133,54 +131,10 @@ def checked_values(
     ones a call binds; Dynamo guards the rest). Inputs first, then break outputs in step order."""
     known = frozenset(known)
     inputs = frozenset(input_slots)
-    graph_reads = {r.slot for st in program.steps if st.segment.is_graph for r in st.args if r.size is None}
+    graph_reads = {r.slot for st in program.graph_steps for r in st.args if r.size is None}
     return [
         CheckedValue(slot, what, is_input, layout)
         for slot, (what, is_input, layout) in _described_layouts(program).items()
         if slot in graph_reads and (slot in inputs or not is_input)
         and all(f.expr.free_symbols <= known for f in (*layout.sizes, *layout.strides))
     ]
-
-
-def static_layouts(program: Program) -> dict[int, tuple[str, TensorLayout]]:
-    """Each static buffer's value (a lifted input or a bridged break output): what it is, for messages,
-    and the layout it was traced with, which the graph segments reading its buffer were compiled for."""
-    buffered = program.input_buffers.keys() | program.bridge_buffers.keys()
-    return {slot: (what, layout) for slot, (what, _, layout) in _described_layouts(program).items()
-            if slot in buffered}
-
-
-def token_strided(
-    layouts: Mapping[int, tuple[str, TensorLayout]], token: sympy.Symbol | None
-) -> frozenset[int]:
-    """The slots of ``layouts`` (:func:`static_layouts`) whose traced strides follow the token count (a
-    column-major ``[T, H]``: strides ``[1, T]``). A narrowed view of one buffer cannot have them at
-    every bucket, so each bucket views the buffer's memory with its own strides. The stride of a dim of
-    size 1 addresses nothing else and does not count (``[1, T, H]``, strides ``[T * H, H, 1]``)."""
-    if token is None:
-        return frozenset()
-    return frozenset(slot for slot, (_, layout) in layouts.items()
-                     if any(token in stride.expr.free_symbols
-                            for size, stride in zip(layout.sizes, layout.strides) if size.expr != 1))
-
-
-def check_static_layout(what: str, layout: TensorLayout, view: torch.Tensor,
-                        env: Mapping[sympy.Symbol, int], bucket: int) -> None:
-    """Raises ``RuntimeError`` when the bucket view of a static buffer is not laid out as the graph
-    segments reading it were compiled for (checked once per bucket, at capture). Inductor segments
-    have no input asserts of their own, so without this they would read it with the wrong strides."""
-    traced = layout.at(env)
-    if traced is None:  # a size of a symbol no call binds: Dynamo guards it
-        return
-    shape, stride = traced
-    same_strides = strides_match(view.stride(), stride, shape)
-    if tuple(view.shape) == shape and same_strides and view.dtype == layout.dtype:
-        return
-    raise RuntimeError(
-        f"pp_breakable: the static buffer of {what} at bucket {bucket} has shape {list(view.shape)}, "
-        f"strides {list(view.stride())} and dtype {view.dtype}, but the graph segments reading it were "
-        f"compiled for shape {list(shape)}, strides {list(stride)} and dtype {layout.dtype} (its traced "
-        "layout). A static buffer takes the traced strides, unless they make elements overlap (a "
-        "broadcast value), where it is dense; make the value contiguous in the model (e.g. "
-        ".contiguous() after the op that makes it), "
-        "or use graph_mode='none'")

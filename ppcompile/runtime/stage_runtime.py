@@ -32,17 +32,11 @@ import torch
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.errors import add_note
-from ppcompile.runtime.codegen import (
-    CopyFunctions,
-    GraphForward,
-    make_graph_forward,
-    make_live_forward,
-    replay_passes_args,
-)
+from ppcompile.runtime.codegen import make_live_forward
 from ppcompile.runtime.compiled_stage import CompiledStage
+from ppcompile.runtime.graph_path import Wrap
 from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import StageInstance
-from ppcompile.runtime.layout_checks import static_layouts, token_strided
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver
 from ppcompile.runtime.program import Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
@@ -93,16 +87,8 @@ class StageRuntime(StageInspection):
         self._input_specs = compiled.input_specs
         self._states: dict[tuple[Any, ...], StageInstance] = {}
         self._live_forward = make_live_forward(self.program, self.name, compiled.live_checks)
-        # Compiled segments read static buffers with the strides they were compiled for: buffers take the
-        # traced strides, checked per bucket at capture. Eager segments read any layout.
-        self._static_layouts = static_layouts(self.program) if compiled.traced_strides else {}
-        self._token_strided = token_strided(self._static_layouts, self.token_symbol)
-        # By (binds inputs, pass args, fused copies).
-        self._graph_forwards: dict[tuple[bool, bool, bool], GraphForward] = {}
-        self._instrumented: dict[int, tuple[Any, ...]] = {}  # instrumented(): per hook, its program and code
-        self._copies: CopyFunctions | None = None  # instrumented(): the wrapped copy functions
-        self._owned_slots = frozenset(s for st in self.program.steps if st.segment.is_graph
-                                      for s in st.live_views)
+        self._wrap: Wrap | None = None  # instrumented(): the hook its block wraps graph paths with
+        self._owned_slots = frozenset(s for st in self.program.graph_steps for s in st.live_views)
         self._warned: set[str] = set()
         # Reliability (docs/reliability.md): input checks, aliased inputs, debug stale-output tracking.
         self._token_source = self._describe_token_source()
@@ -221,19 +207,8 @@ class StageRuntime(StageInspection):
             args = self._copy_aliased(args, aliased)
         env_b = dict(env_n)
         env_b[self.token_symbol] = b
-        executor = state.executor
-        static = state.tables[b]
-        if not executor.binds_inputs:
-            static = list(static)
-        pass_args = replay_passes_args(executor.binds_inputs, self.config.debug)
-        copiers = state.copiers
-        key = (executor.binds_inputs, pass_args, copiers is not None)
-        forward = self._graph_forwards.get(key)
-        if forward is None:
-            forward = make_graph_forward(program, self.name, *key[:2], self._copies, fused=key[2],
-                                         apart=self._token_strided)
-            self._graph_forwards[key] = forward
-        outputs = forward(args, static, env_n, env_b, executor.replay, n, b, copiers)
+        forward = state.forward if self._wrap is None else state.instrumented(self._wrap)
+        outputs = forward(args, env_n, env_b, n, b)
         counters.replays += 1
         counters.replays_by_bucket[b] += 1
         if not self._own_outputs:
@@ -318,8 +293,7 @@ class StageRuntime(StageInspection):
         captures nothing here: each bucket at its first use (``_capture_lazily``)."""
         env = self._env(args, self.num_tokens(args))
         env_max = {**env, self.token_symbol: max(self.plan.sizes)}
-        state = StageInstance(self.compiled, args, env_max, self._static_layouts, self.config.debug,
-                              self.config.copy_kernel, self._token_strided)
+        state = StageInstance(self.compiled, args, env_max, self.config.debug, self.config.copy_kernel)
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
         if self.config.capture == "all":
             try:

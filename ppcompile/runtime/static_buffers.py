@@ -1,19 +1,111 @@
-"""Static buffers: allocation, bucket views, and the copy-in that fills them from live tensors."""
+"""Static buffers, one home for their layout: traced layouts, stride equality, overlap, allocation,
+bucket views and the copy-in that fills them from live tensors.
+
+Lowering describes each buffer once (:class:`BufferPlan`: the slot whose value it holds, its role, the
+layout its graph segments were traced for, how each bucket views it); a stage instance allocates and
+views buffers through that plan, and the generated per-call code copies into them
+(:func:`copy_rows`, :func:`copy_in`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import sympy
 import torch
 
 from ppcompile.records import StaticBuffer
-from ppcompile.symbolic import SizeFn
+from ppcompile.symbolic import SizeFn, size_expr
 
-__all__ = ["allocate", "bucket_view", "copy_in", "copy_rows", "narrow_to", "non_overlapping"]
+__all__ = ["BufferPlan", "TensorLayout", "allocate", "bucket_view", "check_static_layout", "copy_in",
+           "copy_rows", "follows_token_count", "narrow_to", "non_overlapping", "strides_match"]
 
 TokenDims = tuple[tuple[int, SizeFn], ...]
 Env = Mapping[sympy.Symbol, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """A traced tensor's layout: size and stride per dim (expressions of the symbols), dtype, device."""
+
+    sizes: tuple[SizeFn, ...]
+    strides: tuple[SizeFn, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(value: torch.Tensor) -> TensorLayout:
+        return TensorLayout(tuple(SizeFn(size_expr(d)) for d in value.shape),
+                            tuple(SizeFn(size_expr(d)) for d in value.stride()), value.dtype, value.device)
+
+    def at(self, env: Mapping[sympy.Symbol, int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(shape, strides) for ``env``, or None when one names a symbol ``env`` does not bind."""
+        try:
+            return tuple(f(env) for f in self.sizes), tuple(f(env) for f in self.strides)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def strides_match(actual: Sequence[int], expected: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether ``actual`` strides address a ``shape`` tensor as ``expected`` do: strides of dims of size
+    0 or 1 address no other element, so they may differ (as in Inductor's own stride asserts)."""
+    return all(a == e or n < 2 for a, e, n in zip(actual, expected, shape))
+
+
+def follows_token_count(layout: TensorLayout, token: sympy.Symbol | None) -> bool:
+    """Whether ``layout``'s strides follow the token count (a column-major ``[T, H]``: strides
+    ``[1, T]``). A narrowed view of one buffer cannot have them at every bucket, so each bucket views the
+    buffer's memory with its own strides. The stride of a dim of size 1 addresses nothing else and does
+    not count (``[1, T, H]``, strides ``[T * H, H, 1]``)."""
+    return token is not None and any(token in stride.expr.free_symbols
+                                     for size, stride in zip(layout.sizes, layout.strides)
+                                     if size.expr != 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferPlan:
+    """One static buffer, as lowering planned it: the slot whose value it holds (a lifted input or a
+    bridged break output), its spec (role, name, largest-bucket shape, dtype, device), its token dims,
+    and, for compiled segments, the layout they were traced for (``None``: eager segments read any
+    layout, so the buffer is row-major)."""
+
+    slot: int
+    spec: StaticBuffer
+    what: str  # for messages: "input 'x'", "the output 0 of break segment submod_1"
+    token_dims: TokenDims
+    layout: TensorLayout | None = None
+    per_bucket_strides: bool = False  # :func:`follows_token_count`: each bucket views it with its strides
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def fusable(self) -> bool:
+        """Whether a fused copier can fill it: a copier binds one layout and narrows one dim."""
+        return len(self.token_dims) <= 1 and not self.per_bucket_strides
+
+    @property
+    def token_dim(self) -> int | None:
+        return self.token_dims[0][0] if self.token_dims else None
+
+    def allocate(self, env_max: Env) -> torch.Tensor:
+        """The buffer at the largest bucket (``env_max``), in the traced layout (:func:`allocate`)."""
+        traced = None if self.layout is None else self.layout.at(env_max)
+        return allocate(self.spec, None if traced is None else traced[1])
+
+    def view(self, buf: torch.Tensor, env: Env, bucket: int) -> torch.Tensor:
+        """What graphs of ``bucket`` (``env``) read and write of ``buf``, checked against the traced
+        layout (:func:`bucket_view`, :func:`check_static_layout`)."""
+        if self.per_bucket_strides:
+            assert self.layout is not None
+            view = bucket_view(buf, self.token_dims, env, self.layout.at(env), self.what)
+        else:
+            view = bucket_view(buf, self.token_dims, env)
+        if self.layout is not None:
+            check_static_layout(self.what, self.layout, view, env, bucket)
+        return view
 
 
 def allocate(spec: StaticBuffer, strides: Sequence[int] | None = None) -> torch.Tensor:
@@ -105,3 +197,25 @@ def copy_in(buf: torch.Tensor, src: torch.Tensor, dims: TokenDims, env_live: Env
         return
     narrow_to(buf, dims, env_bucket).zero_()
     narrow_to(buf, dims, env_live).copy_(src)
+
+
+def check_static_layout(what: str, layout: TensorLayout, view: torch.Tensor,
+                        env: Mapping[sympy.Symbol, int], bucket: int) -> None:
+    """Raises ``RuntimeError`` when the bucket view of a static buffer is not laid out as the graph
+    segments reading it were compiled for (checked once per bucket, at capture). Inductor segments
+    have no input asserts of their own, so without this they would read it with the wrong strides."""
+    traced = layout.at(env)
+    if traced is None:  # a size of a symbol no call binds: Dynamo guards it
+        return
+    shape, stride = traced
+    same_strides = strides_match(view.stride(), stride, shape)
+    if tuple(view.shape) == shape and same_strides and view.dtype == layout.dtype:
+        return
+    raise RuntimeError(
+        f"pp_breakable: the static buffer of {what} at bucket {bucket} has shape {list(view.shape)}, "
+        f"strides {list(view.stride())} and dtype {view.dtype}, but the graph segments reading it were "
+        f"compiled for shape {list(shape)}, strides {list(stride)} and dtype {layout.dtype} (its traced "
+        "layout). A static buffer takes the traced strides, unless they make elements overlap (a "
+        "broadcast value), where it is dense; make the value contiguous in the model (e.g. "
+        ".contiguous() after the op that makes it), "
+        "or use graph_mode='none'")

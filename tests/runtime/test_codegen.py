@@ -3,6 +3,7 @@ segments compiled without Inductor's input asserts."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -10,13 +11,15 @@ import pytest
 import sympy
 import torch
 from mixer_stage import MixerStage, mix_rows, register_mixer
+from plan_variants import RecordedStage, compile_recorded, with_program
 
 import ppcompile
 from ppcompile.records import Segment
 from ppcompile.runtime.codegen import graph_forward_source, make_graph_forward, make_live_forward
-from ppcompile.runtime.layout_checks import LayoutMismatchError, checked_values, token_strided
-from ppcompile.runtime.program import Program, Ref, Step, TensorLayout
-from ppcompile.runtime.static_buffers import narrow_to
+from ppcompile.runtime.layout_checks import LayoutMismatchError, checked_values
+from ppcompile.runtime.program import BreakStep, GraphStep, Program, Ref
+from ppcompile.runtime.stage_runtime import StageRuntime
+from ppcompile.runtime.static_buffers import TensorLayout, follows_token_count
 from ppcompile.runtime.validation import InputMismatchError
 from ppcompile.symbolic import SizeFn
 
@@ -258,19 +261,19 @@ def test_only_layouts_of_symbols_a_call_binds_are_checked() -> None:
     guarded_layout = TensorLayout((SizeFn(n), SizeFn(h)), (SizeFn(h), one), torch.float32, cpu)  # h: guarded
     graph, brk = Segment("g", "graph", 1), Segment("b", "break", 1)
     steps = (
-        Step(0, brk, _ident, (Ref(slot=0),), (2,), writes=((0, 2),), out_layouts=(known_layout,)),
-        Step(1, brk, _ident, (Ref(slot=1),), (3,), writes=((0, 3),), out_layouts=(guarded_layout,)),
-        Step(2, graph, _ident, (Ref(slot=0), Ref(slot=1), Ref(slot=2), Ref(slot=3)), (4,), writes=((0, 4),)),
+        BreakStep(0, brk, _ident, (Ref(slot=0),), (2,), out_layouts=(known_layout,)),
+        BreakStep(1, brk, _ident, (Ref(slot=1),), (3,), out_layouts=(guarded_layout,)),
+        GraphStep(2, graph, _ident, (Ref(slot=0), Ref(slot=1), Ref(slot=2), Ref(slot=3)), (4,)),
     )
     layouts = {0: ("x", known_layout), 1: ("y", guarded_layout)}
     program = Program(num_slots=5, num_inputs=2, steps=steps, outputs=(Ref(slot=4),), token_dims={},
-                      bridge_buffers={}, input_buffers={}, input_layouts=layouts)
+                      input_layouts=layouts)
     assert [c.slot for c in checked_values(program, [0, 1], {n})] == [0, 2]
     assert [c.slot for c in checked_values(program, [0, 1], {n, h})] == [0, 1, 2, 3]
     assert [c.slot for c in checked_values(program, [1], {n, h})] == [1, 2, 3]  # input 0 is not live
 
 
-def test_token_strided_counts_strides_of_dims_longer_than_one() -> None:
+def test_strides_follow_the_token_count_only_on_dims_longer_than_one() -> None:
     """Column-major [T, H] has a stride that follows T; [1, T, H] row-major too, but only on its size-1
     dim, which addresses nothing else: narrowed views serve it, and fused copiers keep it."""
     t = sympy.Symbol("s0", integer=True, positive=True)
@@ -279,14 +282,13 @@ def test_token_strided_counts_strides_of_dims_longer_than_one() -> None:
     column_major = TensorLayout((tokens, four), (one, tokens), torch.float32, cpu)
     batch_of_one = TensorLayout((one, tokens, four), (SizeFn(4 * t), four, one), torch.float32, cpu)
     row_major = TensorLayout((tokens, four), (four, one), torch.float32, cpu)
-    layouts = {0: ("a", column_major), 1: ("b", batch_of_one), 2: ("c", row_major)}
-    assert token_strided(layouts, t) == {0}
-    assert token_strided(layouts, None) == frozenset()
+    assert [follows_token_count(layout, t) for layout in (column_major, batch_of_one, row_major)] == [
+        True, False, False]
+    assert not follows_token_count(column_major, None)
 
 
 def test_a_program_without_steps_returns_its_inputs_and_constants() -> None:
-    program = Program(num_slots=1, num_inputs=1, steps=(), outputs=(Ref(slot=0), 3), token_dims={},
-                      bridge_buffers={}, input_buffers={})
+    program = Program(num_slots=1, num_inputs=1, steps=(), outputs=(Ref(slot=0), 3), token_dims={})
     x = torch.ones(2)
     assert make_live_forward(program)((x,), {}) == (x, 3)
     graph_forward = make_graph_forward(program, "stage", True, False)
@@ -337,45 +339,47 @@ class ColumnMajorReader(torch.nn.Module):
         return out, out + residual
 
 
-def _narrowed_bucket_views(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bucket views narrowed from the largest bucket's buffer, as before buffers whose strides follow the
-    token count were viewed per bucket."""
-    monkeypatch.setattr("ppcompile.runtime.instance.bucket_view",
-                        lambda buf, dims, env, *_: narrow_to(buf, dims, env))
+def _narrowed_bucket_views(layout_check: bool) -> tuple[StageRuntime, RecordedStage]:
+    """A compiled ``ColumnMajorReader`` and a runtime of it whose bridge is narrowed from the largest
+    bucket's buffer (as before buffers whose strides follow the token count were viewed per bucket),
+    with or without the capture-time layout check."""
+    m = ColumnMajorReader()
+    c, recorded = compile_recorded(m, {"segment_compiler": "inductor", "graph_mode": "emulate",
+                                       "capture_sizes": [8, 16]})
+    with torch.no_grad():
+        _check(c, m, *_inputs(5))
+    program = recorded.runtime.program
+    (bridge,) = [p for p in program.buffers.values() if p.per_bucket_strides]
+    narrowed = dataclasses.replace(bridge, per_bucket_strides=False,
+                                   layout=bridge.layout if layout_check else None)
+    changed = dataclasses.replace(program, buffers={**program.buffers, bridge.slot: narrowed})
+    return with_program(recorded.runtime, changed), recorded
 
 
-def test_with_narrowed_bucket_views_and_no_layout_check_a_column_major_reader_is_wrong(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_with_narrowed_bucket_views_and_no_layout_check_a_column_major_reader_is_wrong() -> None:
     """What per-bucket views and the capture check prevent: the fused reader was compiled for the
     bucket's column stride, a narrowed view has the largest bucket's, so the replay reads the wrong
     elements."""
-    _narrowed_bucket_views(monkeypatch)
-    monkeypatch.setattr("ppcompile.runtime.instance.check_static_layout", lambda *args: None)
-    m = ColumnMajorReader()
-    c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
+    narrowed, recorded = _narrowed_bucket_views(layout_check=False)
     with torch.no_grad(), ppcompile.counters.expect(replays=1):
-        x, r = _inputs(5)
-        got, want = c(x, r)[0], m(x, r)[0]
+        got = narrowed(*recorded.args())[0]
+    want = recorded.runtime.run_eager(recorded.args())[0]
     assert not torch.allclose(got, want, atol=1e-3)
 
 
-def test_the_layout_check_catches_a_bucket_view_without_the_compiled_strides(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_layout_check_catches_a_bucket_view_without_the_compiled_strides() -> None:
     """With narrowed views the capture check fails clearly, naming the value and both layouts, and the
     stage then runs eagerly and right."""
-    _narrowed_bucket_views(monkeypatch)
-    m = ColumnMajorReader()
-    c = _compile(m, graph_mode="emulate", capture_sizes=[8, 16])
+    narrowed, recorded = _narrowed_bucket_views(layout_check=True)
     with torch.no_grad():
         with pytest.raises(RuntimeError, match=r"static buffer of the output 0 of break segment submod_\d "
                                                r"at bucket 8 .*strides \[1, 16\].*compiled for .*strides "
                                                r"\[1, 8\]"):
-            c(*_inputs(5))
+            narrowed(*recorded.args())
+        want = recorded.runtime.run_eager(recorded.args())[0]
         with ppcompile.counters.expect(replays=0, eager_runs=2):
-            for i, n in enumerate([5, 9]):
-                _check(c, m, *_inputs(n, seed=i))
+            for _ in range(2):
+                torch.testing.assert_close(narrowed(*recorded.args())[0], want)
 
 
 def test_a_fused_column_major_reader_replays_right_at_every_bucket() -> None:

@@ -2,18 +2,21 @@
 vLLM's ``fused_add_rms_norm`` does) or a bridged break output, written by a break or by a graph.
 
 On the graph path a break reads and writes live tensors while graphs read static buffers. A value a break
-writes is copied into its buffer again after the break (``Step.refreshes``); a value a graph writes is
-read back from its buffer by the breaks and outputs after it (``Step.writes_buffers``), and an input is
+writes is copied into its buffer again after the break (``BreakStep.refreshes``); a value a graph writes is
+read back from its buffer by the breaks and outputs after it (``GraphStep.writes_buffers``), and an input is
 copied back into the caller's tensor at the end. Either way the caller's tensors end as eager leaves them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from mixer_stage import mix_rows, register_mixer
+from plan_variants import compile_recorded, map_steps, with_program
 
 import ppcompile
 from ppcompile.debug.report import build_report
@@ -205,18 +208,32 @@ def test_the_fused_copier_refreshes_in_the_breaks_copy_point() -> None:
     assert "copiers[1](" in code  # the break's point: the residual, refreshed
 
 
-def test_without_the_refresh_later_graphs_read_the_stale_input(monkeypatch: pytest.MonkeyPatch) -> None:
+def _stale(m: torch.nn.Module, change: Callable[[Any], Any]) -> tuple[Any, Any, Any]:
+    """``m`` compiled and called once on 5 tokens, a runtime of it whose steps are ``change(step)``,
+    what that runtime returns at its second call (the first captures), and what the right one does."""
+    c, recorded = compile_recorded(m, _options("emulate", "eager", fold_graph_ops=0))
+    with torch.no_grad():
+        _compare(c, m, 5, 0, "cpu")
+        changed = with_program(recorded.runtime, map_steps(recorded.runtime.program, change))
+        want = recorded.runtime(*recorded.args())
+        with ppcompile.counters.expect(replays=2):
+            for _ in range(2):  # the first call captures
+                got = changed(*recorded.args())
+    return changed, got, want
+
+
+def test_without_the_refresh_later_graphs_read_the_stale_input() -> None:
     """What the refresh prevents: the graph after the break reads the residual copied in before it."""
-    monkeypatch.setattr("ppcompile.runtime.codegen.copied_after", lambda step: step.bridges)
-    m = AddNormStage()
-    c = torch.compile(m, backend="pp_breakable", options=_options("emulate", "eager"))
-    with torch.no_grad(), ppcompile.counters.expect(replays=2):
-        for _ in range(2):  # the first call captures
-            x, r = torch.randn(5, H), torch.randn(5, H)
-            mine = (x.clone(), r.clone())
-            ppcompile.mark_token_dynamic(*mine)
-            got = c(*mine)[0]
-        assert not torch.allclose(got, m(x, r)[0], atol=1e-3)
+    def without_refresh(st: Any) -> Any:
+        if st.is_graph or st.copies is None:
+            return st
+        point = st.copies
+        keep = tuple(s for s in point.slots if s not in point.refreshes)
+        return dataclasses.replace(st, copies=dataclasses.replace(
+            point, slots=keep, fused=tuple(s for s in point.fused if s in keep), refreshes=()))
+
+    _, got, want = _stale(AddNormStage(), without_refresh)
+    assert not torch.allclose(got[0], want[0], atol=1e-3)
 
 
 @pytest.mark.parametrize(("mode", "compiler"), _modes_x_compilers(["emulate", "eager"], "inductor"))
@@ -232,22 +249,14 @@ def test_a_graph_writing_a_bridged_value_in_place_is_read_back_by_the_break_afte
         for i, n in enumerate(COUNTS):
             _compare(c, m, n, i, device)
     program = _runtime().program
-    (writer,) = [st for st in program.steps if st.writes_buffers]
+    (writer,) = [st for st in program.graph_steps if st.writes_buffers]
     assert writer.segment.is_graph and writer.writes_buffers == tuple(program.bridge_buffers)[:1]
 
 
-def test_without_reading_back_a_graphs_writes_the_break_after_it_reads_stale_rows(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_without_reading_back_a_graphs_writes_the_break_after_it_reads_stale_rows() -> None:
     """What ``writes_buffers`` prevents: the next break and the output read the break's own tensor."""
-    monkeypatch.setattr("ppcompile.lowering.program._written_args", lambda submod: set())
-    m = GraphRewritesBridgeStage()
-    c = torch.compile(m, backend="pp_breakable", options=_options("emulate", "eager", fold_graph_ops=0))
-    with torch.no_grad(), ppcompile.counters.expect(replays=2):
-        for _ in range(2):  # the first call captures
-            x, r = torch.randn(5, H), torch.randn(5, H)
-            mine = (x.clone(), r.clone())
-            ppcompile.mark_token_dynamic(*mine)
-            got = c(*mine)
-        want = m(x, r)
+    def without_read_back(st: Any) -> Any:
+        return dataclasses.replace(st, writes_buffers=()) if st.is_graph else st
+
+    _, got, want = _stale(GraphRewritesBridgeStage(), without_read_back)
     assert not torch.allclose(got[1], want[1], atol=1e-3) and not torch.allclose(got[0], want[0], atol=1e-3)

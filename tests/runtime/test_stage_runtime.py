@@ -482,20 +482,20 @@ def test_reference_attention_breaks_see_live_batches() -> None:
 
 
 # ----------------------------------------------------------------------------------------- emulator teeth
-def test_emulator_catches_a_missing_copy_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ppcompile.runtime import static_buffers
-
+def test_emulator_catches_a_missing_copy_in() -> None:
     x, r = _inputs(6, seed=7)
-    real = static_buffers.copy_rows  # the generated code binds it when first generated (the first call)
-    monkeypatch.setattr(static_buffers, "copy_rows",
-                        lambda buf, src, *a: None if src is x or src is r else real(buf, src, *a))
+
+    def skip_copy_in(category: str, fn: Any) -> Any:
+        return (lambda buf, src, *a: None if src is x or src is r else fn(buf, src, *a)
+                ) if category == "copy-in" else fn
+
     m = Stage()
     c = _compile(m)
     _check(c, m, 5)  # with copy-in: correct
-    got, _ = c(x, r)  # x and r are not copied in: the static buffers still hold the last call's rows
+    with _runtime().instrumented(skip_copy_in):
+        got, _ = c(x, r)  # x and r are not copied in: the static buffers still hold the last call's rows
     want, _ = m(x, r)
     assert not torch.allclose(got, want), "a runtime without copy-in must give wrong answers under emulation"
-    monkeypatch.undo()
     _check(c, m, 6, seed=7)
 
 
