@@ -7,7 +7,7 @@ import enum
 
 import torch
 
-__all__ = ["BreakKind", "BreakReason", "InputKind", "Segment", "StaticBuffer"]
+__all__ = ["BreakKind", "BreakReason", "InputKind", "Segment", "SegmentCompile", "StaticBuffer"]
 
 
 class BreakKind(str, enum.Enum):
@@ -84,3 +84,15 @@ class StaticBuffer:
         for s in self.shape:
             numel *= s
         return numel * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentCompile:
+    """How one graph segment got its callable: compiled here (``seconds`` spent) or reused by key."""
+
+    segment: str  # submodule name in the split stage graph
+    key: str  # structural key (16 hex digits); equal keys share one artifact
+    compiler: str
+    seconds: float  # compile time spent for this segment (0.0 when reused)
+    reused: bool
+    sizes: tuple[int, ...] = ()  # buckets with a specialised (static-shape) artifact

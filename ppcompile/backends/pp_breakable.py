@@ -85,10 +85,11 @@ def pp_breakable(
         skip_size_asserts=segments_skip_size_asserts(config),
         segment_compiles=tuple(segment_compiles),
         compile_times=compile_times(dynamo_seconds, ctx, segment_compiles),
+        compile_id=torch_internals.compile_id(),
     )
     observer = functools.partial(CaptureRecorder, on_finish=publish_report)  # capture runs -> debug
     runtime = StageRuntime(stage, config, observer=observer)
     _RUNTIMES.append(weakref.ref(runtime))
-    on_stage_compiled(runtime, split, ctx)  # split/segment dumps, report, TORCH_TRACE
+    on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())
     return runtime

@@ -16,7 +16,6 @@ that reused one.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import logging
 import time
@@ -30,7 +29,7 @@ import torch
 from ppcompile.counters import counters
 from ppcompile.debug.progress import Progress
 from ppcompile.passes.context import PassContext
-from ppcompile.records import InputKind
+from ppcompile.records import InputKind, SegmentCompile
 from ppcompile.symbolic import example_value, size_expr
 from ppcompile.torch_internals import (
     current_shape_env,
@@ -67,18 +66,6 @@ SegmentFn = Callable[..., Any]
 
 _ARTIFACTS: dict[str, tuple[SegmentFn, weakref.ref[Any] | None]] = {}
 """Process-wide: structural key -> (compiled artifact, the shape env it is confined to, or None)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SegmentCompile:
-    """How one graph segment got its callable: compiled here (``seconds`` spent) or reused by key."""
-
-    segment: str  # submodule name in the split stage graph
-    key: str  # structural key (16 hex digits); equal keys share one artifact
-    compiler: str
-    seconds: float  # compile time spent for this segment (0.0 when reused)
-    reused: bool
-    sizes: tuple[int, ...] = ()  # buckets with a specialised (static-shape) artifact
 
 
 SEGMENT_INDUCTOR_DEFAULTS: Mapping[str, Any] = {"size_asserts": False}

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import os
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,10 +23,8 @@ from ppcompile.debug.memory import SegmentMemory, memory_section, segment_memory
 from ppcompile.runtime.codegen import graph_forward_source, replay_passes_args
 from ppcompile.runtime.executors import EXECUTORS
 from ppcompile.runtime.program import GraphStep
-from ppcompile.torch_internals import compile_id
 
 if TYPE_CHECKING:
-    from ppcompile.passes.context import PassContext
     from ppcompile.runtime.stage_runtime import StageRuntime
 
 __all__ = ["SCHEMA", "build_report", "load_reports", "on_stage_compiled", "publish_report"]
@@ -38,28 +35,13 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ compile-time facts
-class _StageInfo:
-    """What the report needs beyond what the runtime keeps; segment memory is worked out on first use."""
-
-    def __init__(self, runtime: StageRuntime, split: torch.fx.GraphModule, ctx: PassContext) -> None:
-        self.pass_times = dict(ctx.pass_times)
-        self.compile_id = compile_id()
-        self._split: torch.fx.GraphModule | None = split
-        self._graph_segments = [st.segment.name for st in runtime.program.steps if st.segment.is_graph]
-        self._token_symbol = runtime.token_symbol
-        self._memory: dict[str, SegmentMemory] | None = None
-
-    @property
-    def memory(self) -> dict[str, SegmentMemory]:
-        if self._memory is None:
-            assert self._split is not None
-            self._memory = {name: segment_memory(_submodule(self._split, name), self._token_symbol)
-                            for name in self._graph_segments}
-            self._split = None
-        return self._memory
-
-
-_STAGES: weakref.WeakKeyDictionary[Any, _StageInfo] = weakref.WeakKeyDictionary()
+def _segment_memory(runtime: StageRuntime) -> dict[str, SegmentMemory]:
+    """Per graph segment, its memory as a function of the bucket (empty for a stage that never graphs)."""
+    split = runtime.compiled.record.split_module
+    if split is None or runtime.eager_reason is not None:
+        return {}
+    return {st.segment.name: segment_memory(_submodule(split, st.segment.name), runtime.token_symbol)
+            for st in runtime.program.graph_steps}
 
 
 def _submodule(split: torch.fx.GraphModule, name: str) -> torch.fx.GraphModule:
@@ -68,13 +50,14 @@ def _submodule(split: torch.fx.GraphModule, name: str) -> torch.fx.GraphModule:
     return sub
 
 
-def on_stage_compiled(runtime: StageRuntime, split: torch.fx.GraphModule, ctx: PassContext) -> None:
+def on_stage_compiled(runtime: StageRuntime) -> None:
     """Called by the backend once a stage's runtime is built: dumps the split module and each
     segment's code, and publishes the compile-time report. Never fails the compile: a problem with the
     debugging output is logged as a warning."""
-    _STAGES[runtime] = _StageInfo(runtime, split, ctx)
     dump_dir = runtime.config.dump_dir
+    split = runtime.compiled.record.split_module
     try:
+        assert split is not None, "a compiled stage keeps its split module"
         write_graph(dump_dir, runtime.name, "split_module.py", split, "final split module")
         for i, seg in enumerate(runtime.segments):
             what = "graph segment (replayed per bucket)" if seg.is_graph else f"break segment ({seg.reason})"
@@ -192,13 +175,14 @@ def _buffers(runtime: StageRuntime) -> tuple[list[dict[str, Any]], dict[int, str
     return buffers, names
 
 
-def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageInfo | None) -> list[Any]:
+def _segments(runtime: StageRuntime, buffer_names: dict[int, str],
+              memory: dict[str, SegmentMemory]) -> list[Any]:
     out = []
     cap = runtime.plan.cap
     for step in runtime.program.steps:
         seg = step.segment
         reason = seg.reason
-        mem = info.memory.get(seg.name) if info is not None and runtime.eager_reason is None else None
+        mem = memory.get(seg.name)
         copied: tuple[int, ...]
         in_place: tuple[int, ...]
         written: tuple[int, ...]
@@ -232,10 +216,10 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str], info: _StageI
 
 def build_report(runtime: StageRuntime) -> dict[str, Any]:
     """The stage report of ``runtime`` as a JSON-ready dict (captures so far included)."""
-    info = _STAGES.get(runtime)
+    record = runtime.compiled.record
     records = capture_records(runtime)
     buffers, names = _buffers(runtime)
-    memory = info.memory if info is not None and runtime.eager_reason is None else {}
+    memory = _segment_memory(runtime)
     from ppcompile import __version__
 
     return {
@@ -250,7 +234,7 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
         "token_local_regions": list(dict.fromkeys(
             r for s in runtime.segments for r in s.token_local_regions)),
         "config": _config(runtime),
-        "segments": _segments(runtime, names, info),
+        "segments": _segments(runtime, names, memory),
         "static_buffers": buffers,
         "buckets": _padding(runtime),
         "traffic": _traffic(runtime),
@@ -260,10 +244,9 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
             "captured": bool(records),
         },
         "memory": memory_section(runtime, buffers, memory, records),
-        "pass_times_ms": {k: round(1e3 * v, 3) for k, v in (info.pass_times if info else {}).items()},
-        "compile_times_s": {k: round(v, 4) for k, v in getattr(runtime, "compile_times", {}).items()},
-        "segment_compiles": [dataclasses.asdict(r) for r in getattr(runtime, "segment_compiles", [])
-                             if dataclasses.is_dataclass(r) and not isinstance(r, type)],
+        "pass_times_ms": {k: round(1e3 * v, 3) for k, v in record.pass_times.items()},
+        "compile_times_s": {k: round(v, 4) for k, v in record.compile_times.items()},
+        "segment_compiles": [dataclasses.asdict(r) for r in record.segment_compiles],
     }
 
 
@@ -277,9 +260,8 @@ def publish_report(runtime: StageRuntime) -> str | None:
             cache.append(build_report(runtime))
         return cache[0]
 
-    info = _STAGES.get(runtime)
     emit_artifact("report", lambda: json.dumps(report(), default=str), encoding="json",
-                  compile_id=info.compile_id if info else None)
+                  compile_id=runtime.compiled.record.compile_id)
     dump_dir = runtime.config.dump_dir
     if dump_dir is None:
         return None

@@ -19,9 +19,9 @@ import torch
 from ppcompile.config import PPBreakableConfig
 from ppcompile.lowering.program import build_program
 from ppcompile.passes.context import PassContext, StaticInputPlan
-from ppcompile.records import InputKind
+from ppcompile.records import InputKind, SegmentCompile
 from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
-from ppcompile.runtime.compiled_stage import CompiledStage
+from ppcompile.runtime.compiled_stage import CompiledStage, CompileRecord
 from ppcompile.runtime.layout_checks import checked_values
 from ppcompile.runtime.program import Program
 from ppcompile.runtime.validation import InputSpec
@@ -102,8 +102,9 @@ def lower_stage(
     graph_mode: str,
     *,
     skip_size_asserts: bool = False,
-    segment_compiles: tuple[Any, ...] = (),
+    segment_compiles: tuple[SegmentCompile, ...] = (),
     compile_times: Mapping[str, float] | None = None,
+    compile_id: object | None = None,
 ) -> CompiledStage:
     """The frozen stage: ``split`` (after the passes) with its compiled segment callables.
     ``skip_size_asserts``: the compiled segments do not check their inputs' sizes and strides (the live
@@ -132,7 +133,11 @@ def lower_stage(
         live_checks=tuple(checked_values(program, tensor_slots, known))
         if skip_size_asserts and not ctx.is_static else (),
         eager_reason=_eager_reason(ctx, program, plan, config, graph_mode),
-        split_module=split,
-        segment_compiles=tuple(segment_compiles),
-        compile_times=types.MappingProxyType(dict(compile_times or {})),
+        record=CompileRecord(
+            split_module=split,
+            pass_times=types.MappingProxyType(dict(ctx.pass_times)),
+            compile_times=types.MappingProxyType(dict(compile_times or {})),
+            segment_compiles=tuple(segment_compiles),
+            compile_id=compile_id,
+        ),
     )

@@ -3,20 +3,37 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Mapping
-from typing import Any
 
 import sympy
 import torch
 
-from ppcompile.records import BreakReason, Segment
+from ppcompile.records import BreakReason, Segment, SegmentCompile
 from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.layout_checks import CheckedValue
 from ppcompile.runtime.program import Program
 from ppcompile.runtime.validation import InputSpec
 
-__all__ = ["CompiledStage"]
+__all__ = ["CompileRecord", "CompiledStage"]
+
+
+_EMPTY: Mapping[str, float] = types.MappingProxyType({})
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRecord:
+    """How the stage was compiled, for reports, dumps and diagnoses (never read on the hot path): the
+    split module after the passes, seconds per pass and per phase, how each graph segment got its
+    callable, and Dynamo's compile id."""
+
+    split_module: torch.fx.GraphModule | None = None
+    pass_times: Mapping[str, float] = dataclasses.field(default_factory=lambda: _EMPTY)
+    # Seconds by phase: dynamo_trace, passes, pass.<name>, segment_compile.
+    compile_times: Mapping[str, float] = dataclasses.field(default_factory=lambda: _EMPTY)
+    segment_compiles: tuple[SegmentCompile, ...] = ()
+    compile_id: object | None = None  # Dynamo's CompileId, for TORCH_TRACE artifacts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,15 +55,13 @@ class CompiledStage:
     input_specs: tuple[InputSpec, ...]  # what graph-path calls check before copying in
     live_checks: tuple[CheckedValue, ...]  # what the live path checks (segments without size asserts)
     eager_reason: str | None  # why every forward runs eagerly, or None
-    split_module: torch.fx.GraphModule
-    segment_compiles: tuple[Any, ...] = ()
-    compile_times: Mapping[str, float] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    record: CompileRecord = dataclasses.field(default_factory=lambda: CompileRecord())
 
     @property
     def break_reasons(self) -> list[BreakReason]:
         return [s.reason for s in self.segments if s.reason is not None]
 
-    @property
+    @functools.cached_property
     def token_slot(self) -> int | None:
         """The input that is the token count itself (a size argument), if any."""
         return next((i for i, e in self.symbol_slots if e == self.token_symbol), None)

@@ -16,12 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ppcompile.config import PPBreakableConfig
-from ppcompile.records import Segment
-from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.codegen import LiveForward, replay_passes_args
+from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.graph_path import Wrap
 from ppcompile.runtime.instance import StageInstance
-from ppcompile.runtime.program import Program
 
 __all__ = ["StageInspection"]
 
@@ -29,12 +27,7 @@ __all__ = ["StageInspection"]
 class StageInspection:
     """The inspection and instrumentation API of ``StageRuntime`` (a mixin: the runtime sets the state)."""
 
-    name: str
-    graph_mode: str
-    plan: BucketPlan
-    program: Program
-    segments: list[Segment]
-    eager_reason: str | None
+    compiled: CompiledStage
     _states: dict[tuple[Any, ...], StageInstance]
     config: PPBreakableConfig
     _live_forward: LiveForward
@@ -88,11 +81,12 @@ class StageInspection:
 
     def describe(self) -> str:
         """A short human-readable summary: segments, breaks and their reasons, buckets."""
-        lines = [f"{self.name}: {len(self.segments)} segments, graph mode {self.graph_mode}, "
-                 f"buckets {len(self.plan.sizes)} up to {self.plan.cap}"]
-        if self.eager_reason:
-            lines.append(f"  always eager: {self.eager_reason}")
-        for seg in self.segments:
+        c = self.compiled
+        lines = [f"{c.name}: {len(c.segments)} segments, graph mode {c.graph_mode}, "
+                 f"buckets {len(c.plan.sizes)} up to {c.plan.cap}"]
+        if c.eager_reason:
+            lines.append(f"  always eager: {c.eager_reason}")
+        for seg in c.segments:
             what = "graph" if seg.is_graph else f"break  {seg.reason}"
             declared = seg.token_local_regions
             regions = f"  [token-local: {', '.join(declared)}]" if declared else ""

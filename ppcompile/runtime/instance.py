@@ -187,7 +187,7 @@ class StageInstance:
 
     def _where(self, st: GraphStep, sargs: Sequence[Any]) -> str:
         """`` (at node ...)`` naming the node of ``st``'s FX graph whose op fails under capture, if any."""
-        module = getattr(self._compiled.split_module, st.segment.name, None)
+        module = getattr(self._compiled.record.split_module, st.segment.name, None)
         if not isinstance(module, torch.fx.GraphModule):
             return ""
         try:

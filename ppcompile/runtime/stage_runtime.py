@@ -32,13 +32,15 @@ import torch
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.errors import add_note
+from ppcompile.records import BreakReason, Segment
+from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.codegen import make_live_forward
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.graph_path import Wrap
 from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver
-from ppcompile.runtime.program import Ref
+from ppcompile.runtime.program import Program, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.validation import aliased_slots, check_inputs, storages_of
 from ppcompile.traffic import TokenHistogram, process_histogram
@@ -64,31 +66,10 @@ class StageRuntime(StageInspection):
         self.compiled = compiled
         self.config = config
         self._observer = observer or NO_OBSERVER
-        # The compiled stage's fields the public API has always named on the runtime, and the ones each
-        # call reads (attributes, not a hop through ``compiled``, on the hot path).
-        self.name = compiled.name
-        self.program = compiled.program
-        self.plan = compiled.plan
-        self.graph_mode = compiled.graph_mode
-        self.segments = list(compiled.segments)
-        self.break_reasons = compiled.break_reasons
-        self.layer_ids = compiled.layer_ids
-        self.token_symbol: sympy.Symbol | None = compiled.token_symbol
-        self.eager_reason = compiled.eager_reason
-        self.split_module = compiled.split_module
-        self.segment_compiles = compiled.segment_compiles
-        self.compile_times = compiled.compile_times
-        self._state_slots = compiled.state_slots
-        self._scalar_slots = compiled.scalar_slots
-        self._symbol_slots = compiled.symbol_slots
-        self._token_slot = compiled.token_slot
-        self._token_input = compiled.token_input
-        self._tensor_slots = compiled.tensor_slots
-        self._input_specs = compiled.input_specs
         self._states: dict[tuple[Any, ...], StageInstance] = {}
-        self._live_forward = make_live_forward(self.program, self.name, compiled.live_checks)
+        self._live_forward = make_live_forward(compiled.program, compiled.name, compiled.live_checks)
         self._wrap: Wrap | None = None  # instrumented(): the hook its block wraps graph paths with
-        self._owned_slots = frozenset(s for st in self.program.graph_steps for s in st.live_views)
+        self._owned_slots = frozenset(s for st in compiled.program.graph_steps for s in st.live_views)
         self._warned: set[str] = set()
         # Reliability (docs/reliability.md): input checks, aliased inputs, debug stale-output tracking.
         self._token_source = self._describe_token_source()
@@ -101,27 +82,68 @@ class StageRuntime(StageInspection):
         if self.eager_reason:
             log.info("%s: every forward runs eagerly: %s", self.name, self.eager_reason)
 
+    # The compiled stage's facts, by the names the public API has always used on the runtime.
+    @property
+    def name(self) -> str:
+        return self.compiled.name
+
+    @property
+    def program(self) -> Program:
+        return self.compiled.program
+
+    @property
+    def plan(self) -> BucketPlan:
+        return self.compiled.plan
+
+    @property
+    def graph_mode(self) -> str:
+        return self.compiled.graph_mode
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return self.compiled.segments
+
+    @property
+    def break_reasons(self) -> list[BreakReason]:
+        return self.compiled.break_reasons
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.compiled.layer_ids
+
+    @property
+    def token_symbol(self) -> sympy.Symbol | None:
+        return self.compiled.token_symbol
+
+    @property
+    def eager_reason(self) -> str | None:
+        return self.compiled.eager_reason
+
+    @property
+    def split_module(self) -> torch.fx.GraphModule | None:
+        return self.compiled.record.split_module
+
     def num_tokens(self, args: tuple[Any, ...]) -> int:
         """The live token count of a call."""
-        if self._token_slot is not None:
-            return int(args[self._token_slot])
-        assert self._token_input is not None
-        i, d = self._token_input
+        if self.compiled.token_slot is not None:
+            return int(args[self.compiled.token_slot])
+        assert self.compiled.token_input is not None
+        i, d = self.compiled.token_input
         return int(args[i].shape[d])
 
     def _env(self, args: tuple[Any, ...], tokens: int) -> dict[sympy.Symbol, int]:
-        env = {e: int(args[i]) for i, e in self._symbol_slots}
+        env = {e: int(args[i]) for i, e in self.compiled.symbol_slots}
         if self.token_symbol is not None:
             env[self.token_symbol] = tokens
         return env
 
     def _describe_token_source(self) -> str:
-        if self._token_slot is not None:
+        if self.compiled.token_slot is not None:
             return f"the size argument {self.token_symbol} (Dynamo reads it from an input's token dim)"
-        if self._token_input is None:
+        if self.compiled.token_input is None:
             return "no input"
-        i, d = self._token_input
-        spec = next((s for s in self._input_specs if s.slot == i), None)
+        i, d = self.compiled.token_input
+        spec = next((s for s in self.compiled.input_specs if s.slot == i), None)
         return f"dim {d} of input {spec.name if spec else i!r}"
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
@@ -196,13 +218,14 @@ class StageRuntime(StageInspection):
         return self._live_forward(args, env)
 
     def _run_graphs(self, state: StageInstance, args: tuple[Any, ...], n: int, b: int) -> tuple[Any, ...]:
-        program = self.program
+        compiled = self.compiled
         env_n = self._env(args, n)
         # Checked before anything is written: a rejected call leaves every buffer as it was.
-        check_inputs(self._input_specs, args, program.num_inputs, env_n, self.name, self._token_source)
+        check_inputs(compiled.input_specs, args, compiled.program.num_inputs, env_n, compiled.name,
+                     self._token_source)
         if state.storages is None:
             state.storages = storages_of(state.static_tensors())
-        aliased = aliased_slots(args, self._tensor_slots, state.storages)
+        aliased = aliased_slots(args, compiled.tensor_slots, state.storages)
         if aliased:
             args = self._copy_aliased(args, aliased)
         env_b = dict(env_n)
@@ -254,8 +277,8 @@ class StageRuntime(StageInspection):
         # scalar on the device is read in place like state (and reading its value would sync per call).
         return (
             torch.is_inference_mode_enabled(),
-            *map(id, [args[i] for i in self._state_slots]),
-            *[a.item() if (a := args[i]).device.type == "cpu" else id(a) for i in self._scalar_slots],
+            *map(id, [args[i] for i in self.compiled.state_slots]),
+            *[a.item() if (a := args[i]).device.type == "cpu" else id(a) for i in self.compiled.scalar_slots],
         )
 
     def _state_for(self, args: tuple[Any, ...]) -> StageInstance:

@@ -36,7 +36,7 @@ def test_compile_sizes_serve_their_bucket_with_a_static_artifact(monkeypatch: py
     compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=options)
     with ppcompile.counters.expect(segment_compiles=2, replays_by_bucket={16: 1}):
         check(stage, compiled, CFG, 1, PP, 16)
-    assert [r.sizes for r in graphed_runtime().segment_compiles] == [(16,), (16,)]
+    assert [r.sizes for r in graphed_runtime().compiled.record.segment_compiles] == [(16,), (16,)]
     dispatchers = {id(d) for d, _, _ in calls}
     assert len(dispatchers) == 2 and all(16 in d.by_size for d, _, _ in calls)
     calls.clear()
