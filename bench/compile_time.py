@@ -127,8 +127,8 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
         compiled(None, pos, pp_proxy_tensors=proxies)
     total = time.perf_counter() - start
     (runtime,) = [rt for rt in ppcompile.stage_runtimes() if rt.eager_reason is None]
-    times = dict(runtime.compile_times)
-    records = runtime.segment_compiles
+    times = dict(runtime.compiled.record.compile_times)
+    records = runtime.compiled.record.segment_compiles
     captures = capture_records(runtime)
     return {
         "layers": layers, "compiler": compiler, "total": total,
