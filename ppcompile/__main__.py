@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("ppcompile.demo", "PP pipeline of a reference model: eager vs pp_breakable, side by side"),
-    "dump": ("ppcompile.debug.cli_dump", "compile one reference stage and write its dumps and report"),
-    "report": ("ppcompile.debug.cli_report", "print the stage reports under a dump folder as tables"),
-    "bench": ("ppcompile.bench_cli", "prefill benchmarks (throughput, wall vs busy, overhead) -> docs"),
-    "plan": ("ppcompile.cli_plan", "a bucket ladder planned from recorded traffic (a token histogram)"),
+    "demo": ("ppcompile.cli.demo", "PP pipeline of a reference model: eager vs pp_breakable, side by side"),
+    "dump": ("ppcompile.cli.dump", "compile one reference stage and write its dumps and report"),
+    "report": ("ppcompile.cli.report", "print the stage reports under a dump folder as tables"),
+    "bench": ("ppcompile.cli.bench", "prefill benchmarks (throughput, wall vs busy, overhead) -> docs"),
+    "plan": ("ppcompile.cli.plan", "a bucket ladder planned from recorded traffic (a token histogram)"),
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppcompile import bench_cli
+from ppcompile.cli import bench as bench_cli
 
 fused_copy = bench_cli._bench("fused_copy")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppcompile import bench_cli
+from ppcompile.cli import bench as bench_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppcompile import bench_cli
+from ppcompile.cli import bench as bench_cli
 
 launches = bench_cli._bench("launches")
 

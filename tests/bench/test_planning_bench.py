@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from ppcompile import bench_cli
+from ppcompile.cli import bench as bench_cli
 from ppcompile.traffic import TokenHistogram
 
 shapes = bench_cli._bench("traffic_shapes")

@@ -1,4 +1,4 @@
-"""``python -m ppcompile dump`` and ``python -m ppcompile report``."""
+"""``python -m ppcompile dump``, and ``report`` on the folder it wrote."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from ppcompile.__main__ import main
-from ppcompile.debug.cli_dump import parse_stage
-from ppcompile.debug.table import format_ids, format_table
+from ppcompile.cli.dump import parse_stage
 
 
 def test_dump_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,12 +40,6 @@ def test_dump_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert json.loads(capsys.readouterr().out)[0]["stage_graph"] == folder.name
 
 
-def test_report_of_a_folder_without_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", str(tmp_path)]) == 2
-    assert "no report.json under" in capsys.readouterr().err
-    assert main(["report", str(tmp_path / "missing")]) == 2
-
-
 def test_dump_refuses_one_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["dump", "--stage", "0/2", "--model", "tiny", "--out", str(tmp_path), "--tokens", "1"]) == 2
     assert "--tokens must be >= 2" in capsys.readouterr().err
@@ -60,11 +53,3 @@ def test_bad_stage_is_rejected(text: str) -> None:
 
 def test_parse_stage() -> None:
     assert parse_stage("1/4") == (1, 4) and parse_stage("0/1") == (0, 1)
-
-
-def test_format_helpers() -> None:
-    assert format_ids([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and format_ids([]) == "-"
-    text = format_table(["a", "bb", "c"], [[1, "x", ""], [100, "y" * 80, "z" * 80]], right=(0,))
-    lines = text.splitlines()
-    assert lines[0].split() == ["a", "bb", "c"] and lines[2] == "  1  x"
-    assert lines[3] == "100  " + "y" * 53 + "...  " + "z" * 80  # cut to 56 characters, not the last column

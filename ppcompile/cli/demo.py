@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ppcompile.backends.pp_breakable import stage_runtimes
-from ppcompile.cli_args import int_list
+from ppcompile.cli.args import int_list
 from ppcompile.config import GRAPH_MODES, PPBreakableConfig, graph_path_mode
 from ppcompile.counters import counters
 from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, make_batch
@@ -35,7 +35,7 @@ from ppcompile.pipeline import DistributedStage, InProcessPipeline, init_pipelin
 from ppcompile.pipeline.distributed import DEFAULT_TIMEOUT_S, default_device
 from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
 
-__all__ = ["add_arguments", "default_token_stream", "parse_tokens", "run", "run_demo", "run_distributed"]
+__all__ = ["add_arguments", "default_token_stream", "parse_tokens", "run", "run_distributed", "split_tokens"]
 
 _DEFAULT_PP = 4
 
@@ -180,7 +180,7 @@ class _Setup:
               f"(warm-up forward of {self.warm} tokens)")
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns the process exit code (1 when a difference exceeds the tolerance)."""
     if args.distributed:
         return run_distributed(args)
@@ -320,17 +320,3 @@ def _report(args: argparse.Namespace, setup: _Setup, world: int, gathered: list[
     verdict = "FAIL" if failures else "OK"
     print(f"{verdict}: {failures} of {len(setup.batches)} forwards differ by more than {setup.atol:g}")
     return 1 if failures else 0
-
-
-run = run_demo  # the CLI's entry point for this command
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point for ``python -m ppcompile.demo``."""
-    parser = argparse.ArgumentParser(prog="ppcompile demo", description=__doc__)
-    add_arguments(parser)
-    return run_demo(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["add_arguments", "render_docs", "run"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # ppcompile/cli/bench.py -> the checkout
 BENCHES = ("throughput", "profile", "overhead")
 DOCS = REPO_ROOT / "docs" / "benchmarks.md"
 

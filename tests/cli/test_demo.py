@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from ppcompile.cli.demo import _Setup, add_arguments, default_token_stream, parse_tokens, split_tokens
 from ppcompile.config import PPBreakableConfig
-from ppcompile.demo import _Setup, add_arguments, default_token_stream, parse_tokens, split_tokens
 from ppcompile.runtime.buckets import make_bucket_plan
 
 SMALL = ["--config", "tiny", "--pp", "2", "--capture-sizes", "4,8,16", "--tokens", "1,8,9,3+5+7,20"]

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ppcompile.cli_args import int_list
+from ppcompile.cli.args import int_list
 from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS
 from ppcompile.debug.table import format_table
 from ppcompile.gain_probe import GainProbe, probe_graph_gain

@@ -1,4 +1,4 @@
-"""``cli_args``: the argument types the commands share."""
+"""``ppcompile.cli.args``: the argument types the commands share."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from ppcompile.cli_args import int_list
+from ppcompile.cli.args import int_list
 
 
 def test_int_list() -> None:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ppcompile.cli_args import int_list
+from ppcompile.cli.args import int_list
 from ppcompile.debug.dumps import stage_dir
 from ppcompile.debug.report import build_report
 from ppcompile.debug.table import format_report
