@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppcompile.__main__ import main
 from ppcompile.cli import bench as bench_cli
+from ppcompile.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 common = bench_cli._bench("common")
@@ -156,8 +156,8 @@ def test_bench_from_an_installed_wheel_says_how_to_run_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Installed from a wheel there is no bench/ beside the package: the command says where to run it."""
-    from ppcompile.__main__ import main
     from ppcompile.cli import bench as bench_cli
+    from ppcompile.cli.main import main
 
     monkeypatch.setattr(bench_cli, "REPO_ROOT", tmp_path)
     with pytest.raises(SystemExit, match="source checkout"):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ppcompile.__main__ import main
 from ppcompile.cli.dump import parse_stage
+from ppcompile.cli.main import main
 
 
 def test_dump_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

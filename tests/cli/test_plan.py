@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ppcompile.__main__ import COMMANDS, main
+from ppcompile.cli.main import COMMANDS, main
 from ppcompile.config import PPBreakableConfig
 from ppcompile.runtime.buckets import default_capture_ladder
 from ppcompile.traffic import TokenHistogram

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ppcompile.__main__ import main
+from ppcompile.cli.main import main
 
 
 def test_report_of_a_folder_without_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

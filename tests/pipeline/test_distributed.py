@@ -17,7 +17,7 @@ import torch.distributed as dist
 from stage_doubles import EmbedsFirstStage
 
 import ppcompile
-from ppcompile.__main__ import main as ppcompile_cli
+from ppcompile.cli.main import main as ppcompile_cli
 from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, make_batch, make_stage
 from ppcompile.pipeline import DistributedStage, InProcessPipeline, ProxySpec, RankError, spawn_ranks
 from ppcompile.pipeline.distributed import ProxyField
