@@ -1,6 +1,7 @@
 """The package's imports point one way: the analysis helpers import nothing of the passes or what follows
-them, the runtime never imports the compile side or the debug tools, and no module imports itself back
-through others (lazy imports inside functions count too)."""
+them, the runtime never imports the compile side or the debug tools, the command-line interface sits above
+everything and nothing imports it, and no module imports itself back through others (lazy imports inside
+functions count too)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ NOT_FROM_ANALYSIS = ("ppcompile.passes", "ppcompile.backends", "ppcompile.loweri
 # it (debug) must not be reachable from it.
 NOT_FROM_RUNTIME = ("ppcompile.analysis", "ppcompile.passes", "ppcompile.backends", "ppcompile.lowering",
                     "ppcompile.debug")
+# The commands (ppcompile.cli) drive everything else; only the ``python -m ppcompile`` entry may import them.
+CLI = "ppcompile.cli"
+CLI_ENTRY = "ppcompile.__main__"
 
 
 def _module_name(path: Path) -> str:
@@ -59,6 +63,16 @@ def test_the_analysis_helpers_import_nothing_downstream() -> None:
 
 def test_the_runtime_imports_neither_the_compile_side_nor_debug() -> None:
     assert not (wrong := _wrong("ppcompile.runtime", NOT_FROM_RUNTIME)), sorted(wrong)
+
+
+def test_nothing_below_the_cli_imports_it() -> None:
+    wrong = {(m, dep) for m, deps in _imports().items()
+             if m != CLI_ENTRY and not _in_cli(m) for dep in deps if _in_cli(dep)}
+    assert not wrong, sorted(wrong)
+
+
+def _in_cli(module: str) -> bool:
+    return module == CLI or module.startswith(CLI + ".")
 
 
 def test_no_import_cycles() -> None:
