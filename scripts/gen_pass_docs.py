@@ -9,10 +9,13 @@ import inspect
 import sys
 from pathlib import Path
 
-from ppcompile.analysis.token_locality import RULES
-from ppcompile.passes.manager import PASSES
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "passes.md"
+# The passes of this checkout, not of whichever ppcompile is installed (a second worktree shares the venv).
+sys.path.insert(0, str(ROOT))
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "passes.md"
+from ppcompile.analysis.token_locality import RULES  # noqa: E402
+from ppcompile.passes.manager import PASSES  # noqa: E402
 
 
 def _fence_literal_blocks(text: str) -> str:
