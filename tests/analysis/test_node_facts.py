@@ -1,0 +1,93 @@
+"""``node_facts``: each fact the passes record on FX nodes, under one meta key, read back with its type."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sympy
+import torch
+
+from ppcompile.analysis.node_facts import (
+    CAPTURE_UNSAFE,
+    EAGER_REGION,
+    FACTS,
+    LAYER_ID,
+    PADDING_UNSAFE,
+    SEGMENT,
+    SIZE_EXPR,
+    STATIC_BUFFER,
+    TOKEN_DIMS,
+    TOKEN_LOCAL,
+    NodeFact,
+    token_dim_sizes,
+    token_dims,
+)
+from ppcompile.records import Segment, StaticBuffer
+
+s0 = sympy.Symbol("s0", integer=True, positive=True)
+SAMPLES: list[tuple[NodeFact[Any], Any]] = [
+    (TOKEN_DIMS, ((0, s0), (2, s0 // 2))),
+    (SIZE_EXPR, s0 // 2),
+    (LAYER_ID, 7),
+    (TOKEN_LOCAL, "layers.0.mlp (mymodel.Moe)"),
+    (EAGER_REGION, "mymodel.chunked_scan"),
+    (PADDING_UNSAFE, "Tensor.mean reduces along the token dim"),
+    (CAPTURE_UNSAFE, "its implementation reads a device value on the host (a sync)"),
+    (SEGMENT, Segment("submod_1", "break", 3)),
+    (STATIC_BUFFER, StaticBuffer("l_x_", "input", (64, 8), torch.float32, torch.device("cpu"), (0,))),
+]
+
+
+def _node() -> torch.fx.Node:
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    return graph.call_function(torch.relu, (x,))
+
+
+def test_every_fact_has_a_sample() -> None:
+    assert [fact for fact, _ in SAMPLES] == list(FACTS)
+
+
+@pytest.mark.parametrize(("fact", "value"), SAMPLES, ids=[f.key for f, _ in SAMPLES])
+def test_round_trip(fact: NodeFact[Any], value: Any) -> None:
+    node = _node()
+    fact.set(node, value)
+    assert fact.has(node) and fact.get(node) == value and fact.of(node) == value
+    assert node.meta[fact.key] == value  # what a reader of the raw key (lowering) sees
+    assert all(not other.has(node) for other in FACTS if other is not fact)
+
+
+@pytest.mark.parametrize("fact", FACTS, ids=[f.key for f in FACTS])
+def test_a_missing_fact(fact: NodeFact[Any]) -> None:
+    node = _node()
+    assert not fact.has(node) and fact.get(node) is None
+    with pytest.raises(KeyError, match=f"node relu has no meta\\['{fact.key}'\\]; {fact.writer} sets it"):
+        fact.of(node)
+
+
+def test_token_dims_default_to_empty() -> None:
+    node = _node()
+    assert token_dims(node) == () and token_dim_sizes(node) == {}
+    assert token_dims(3) == () and token_dim_sizes(None) == {}  # an argument that is no node
+    TOKEN_DIMS.set(node, ((0, s0), (1, 2 * s0)))
+    assert token_dims(node) == ((0, s0), (1, 2 * s0)) and token_dim_sizes(node) == {0: s0, 1: 2 * s0}
+    TOKEN_DIMS.set(node, ())  # a tensor without token dims (a parameter) has the fact, empty
+    assert TOKEN_DIMS.has(node) and token_dims(node) == ()
+
+
+def test_the_keys_are_the_ones_lowering_reads() -> None:
+    """``lowering/program.py`` reads ``pp_segment``, ``pp_token_dims``, ``pp_size_expr`` and
+    ``pp_static_buffer`` by their raw keys: the accessors must write exactly those."""
+    assert {f.key: f.writer for f in FACTS} == {
+        "pp_token_dims": "find_token_dims",
+        "pp_size_expr": "find_token_dims",
+        "pp_layer_id": "align_global_layers",
+        "pp_token_local": "find_declared_regions",
+        "pp_eager_region": "find_declared_regions",
+        "pp_unsafe": "check_padding_safety",
+        "pp_capture_unsafe": "check_capture_safety",
+        "pp_segment": "split_at_breaks",
+        "pp_static_buffer": "lift_static_inputs",
+    }
+
