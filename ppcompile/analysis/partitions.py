@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from ppcompile.analysis.node_facts import EAGER_REGION, TOKEN_LOCAL
 from ppcompile.analysis.op_matching import op_name
 from ppcompile.analysis.token_locality import VIEW_OPS
 from ppcompile.records import BreakReason
@@ -45,7 +46,9 @@ def uncuttable_spans(gm: torch.fx.GraphModule) -> list[tuple[list[torch.fx.Node]
             depth -= 1
             if depth == 0:
                 intervals.append((opened, i, "torch.vmap region"))
-        declared = node.meta.get("pp_token_local", node.meta.get("pp_eager_region"))
+        declared = TOKEN_LOCAL.get(node)
+        if declared is None:
+            declared = EAGER_REGION.get(node)
         if declared is not None:
             if intervals and intervals[-1][2] == declared and intervals[-1][1] == i - 1:
                 intervals[-1] = (intervals[-1][0], i, declared)

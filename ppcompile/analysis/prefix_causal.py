@@ -23,6 +23,7 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.analysis.node_facts import token_dim_sizes
 from ppcompile.analysis.op_matching import op_name
 from ppcompile.symbolic import example_value, first_exceeding
 
@@ -30,10 +31,6 @@ __all__ = ["CONV_OPS", "SCAN_OPS", "Tail", "causal_conv_tail", "escaping_tails",
 
 SCAN_OPS = frozenset(("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"))
 CONV_OPS = frozenset(("conv1d",))
-
-
-def _token_dims(node: Any) -> dict[int, sympy.Expr]:
-    return dict(node.meta.get("pp_token_dims", ())) if isinstance(node, torch.fx.Node) else {}
 
 
 def _int(value: Any) -> int | None:
@@ -63,7 +60,7 @@ def causal_conv_tail(node: torch.fx.Node) -> Tail | str | None:
         return node.kwargs.get(key, node.args[i] if len(node.args) > i else default)
 
     x = arg(0, "input", None)
-    token = _token_dims(x)
+    token = token_dim_sizes(x)
     ndim = example_value(x).dim() if isinstance(x, torch.fx.Node) else 0
     if not token or set(token) != {ndim - 1}:
         return None if not token or ndim - 1 not in token else "convolves over more than the token dim"
@@ -77,7 +74,7 @@ def causal_conv_tail(node: torch.fx.Node) -> Tail | str | None:
     assert kernel is not None and padding is not None and dilation is not None
     if dilation * (kernel - 1) > padding:
         return "convolves along the token dim reading rows ahead of each output row"
-    out = _token_dims(node).get(ndim - 1)
+    out = token_dim_sizes(node).get(ndim - 1)
     clean = token[ndim - 1]
     if out is None or sympy.simplify(out - clean) == 0:
         return None
@@ -88,7 +85,7 @@ def is_prefix_slice(node: torch.fx.Node) -> bool:
     """``x[..., :k]`` / ``x.narrow(d, 0, k)`` taking a prefix of each token dim it touches (start 0, step
     1) and nothing else along token dims."""
     src = node.args[0] if node.args else None
-    token = _token_dims(src)
+    token = token_dim_sizes(src)
     if not token or not isinstance(src, torch.fx.Node) or len(node.args) < 2:
         return False
     if op_name(node) == "narrow":
@@ -111,7 +108,7 @@ def is_prefix_slice(node: torch.fx.Node) -> bool:
 
 
 def _dims_of(node: torch.fx.Node, extent: sympy.Expr) -> list[int]:
-    return [d for d, e in _token_dims(node).items() if e == extent]
+    return [d for d, e in token_dim_sizes(node).items() if e == extent]
 
 
 def _cuts_off(node: torch.fx.Node, tail: Tail, token: sympy.Symbol, cap: int) -> bool:
@@ -120,7 +117,7 @@ def _cuts_off(node: torch.fx.Node, tail: Tail, token: sympy.Symbol, cap: int) ->
     src = node.args[0]
     if not is_prefix_slice(node) or not isinstance(src, torch.fx.Node):
         return False
-    out = _token_dims(node)
+    out = token_dim_sizes(node)
     dims = _dims_of(src, tail.extent)
     return len(dims) == 1 and dims[0] in out and first_exceeding(out[dims[0]], tail.clean, token, cap) is None
 

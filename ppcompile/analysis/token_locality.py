@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ppcompile.analysis.node_facts import token_dim_sizes
 from ppcompile.analysis.op_matching import op_name, resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
 from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves, written_arguments
@@ -48,12 +49,6 @@ def is_registered_token_local(target: Any, extra: Sequence[Any] = ()) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _dims(arg: Any) -> dict[int, Any]:
-    if isinstance(arg, torch.fx.Node):
-        return dict(arg.meta.get("pp_token_dims", ()))
-    return {}
-
-
 def _ndim(arg: Any) -> int:
     value = arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, torch.fx.Node) else None
     return value.dim() if isinstance(value, torch.Tensor) else 0
@@ -81,7 +76,7 @@ def _norm_dims(dim: Any, ndim: int) -> list[int] | None:
 
 
 def _touching(dims: list[int] | None, src: Any, what: str) -> str | None:
-    token = _dims(src)
+    token = token_dim_sizes(src)
     if not token:
         return None
     if dims is None:
@@ -94,10 +89,10 @@ def _touching(dims: list[int] | None, src: Any, what: str) -> str | None:
 # ------------------------------------------------------------------------------------------ rules
 def pointwise(node: torch.fx.Node) -> str | None:
     """Elementwise with broadcasting: each input token dim must land on the same output token dim."""
-    out, rank = _dims(node), _ndim(node)
+    out, rank = token_dim_sizes(node), _ndim(node)
     flat = tree_leaves((node.args, node.kwargs))
     for arg in flat:
-        for d, expr in _dims(arg).items():
+        for d, expr in token_dim_sizes(arg).items():
             o = d + rank - _ndim(arg)
             if out.get(o) != expr:
                 return "broadcasts a token dim onto another dim"
@@ -128,9 +123,9 @@ def _dim_op(index: int, default: Any, what: str) -> Rule:
 def linear(node: torch.fx.Node) -> str | None:
     """``linear(x, w, b)`` contracts x's last dim; weights must not scale with tokens."""
     x = node.args[0]
-    if _ndim(x) - 1 in _dims(x):
+    if _ndim(x) - 1 in token_dim_sizes(x):
         return "contracts over the token dim"
-    if any(_dims(a) for a in node.args[1:]):
+    if any(token_dim_sizes(a) for a in node.args[1:]):
         return "its weight scales with tokens"
     return None
 
@@ -138,14 +133,14 @@ def linear(node: torch.fx.Node) -> str | None:
 def matmul(node: torch.fx.Node) -> str | None:
     """Matrix products: token-local unless a contracted dim is a token dim."""
     a, b = node.args[0], node.args[1]
-    if _ndim(a) - 1 in _dims(a) or max(_ndim(b) - 2, 0) in _dims(b):
+    if _ndim(a) - 1 in token_dim_sizes(a) or max(_ndim(b) - 2, 0) in token_dim_sizes(b):
         return "contracts over the token dim"
     return None
 
 
 def embedding(node: torch.fx.Node) -> str | None:
     """Table lookups by token-major indices: token-local unless the table scales with tokens."""
-    return "its table scales with tokens" if _dims(node.args[1]) else None
+    return "its table scales with tokens" if token_dim_sizes(node.args[1]) else None
 
 
 def permute(node: torch.fx.Node) -> str | None:
@@ -158,7 +153,7 @@ def reshape(node: torch.fx.Node) -> str | None:
     as after, and each token keeps its elements together: the same token dim, or a token-major fold or
     unfold of it (``[T, k, d] <-> [T*k, d]``: ``c*T`` rows either way, the same elements per token)."""
     src = node.args[0]
-    before, after = _dims(src), _dims(node)
+    before, after = token_dim_sizes(src), token_dim_sizes(node)
     if not before and not after:
         return None
     if len(before) != 1 or len(after) != 1:
@@ -188,7 +183,7 @@ def getitem(node: torch.fx.Node) -> str | None:
     src, index = node.args[0], node.args[1]
     if not _is_tensor(src) or is_prefix_slice(node):
         return None  # picks an element of a tuple, or a prefix of the rows
-    token = _dims(src)
+    token = token_dim_sizes(src)
     if not token:
         return None
     items = list(index) if isinstance(index, tuple) else [index]
@@ -243,7 +238,7 @@ def conv1d(node: torch.fx.Node) -> str | None:
 
 def item(node: torch.fx.Node) -> str | None:
     """``Tensor.item``: token-local only on tensors without token dims."""
-    return "reads one element of a token-sized tensor" if _dims(node.args[0]) else None
+    return "reads one element of a token-sized tensor" if token_dim_sizes(node.args[0]) else None
 
 
 def factory(node: torch.fx.Node) -> str | None:

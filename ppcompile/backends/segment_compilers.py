@@ -26,6 +26,7 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.analysis.node_facts import SEGMENT
 from ppcompile.counters import counters
 from ppcompile.debug.progress import Progress
 from ppcompile.passes.context import PassContext
@@ -293,12 +294,12 @@ def compile_segments(
     records: list[SegmentCompile] = []
     calls = list(split.graph.find_nodes(op="call_module"))
     compiled_here = config.segment_compiler != "eager" and not ctx.is_static
-    to_compile = sum(n.meta["pp_segment"].is_graph for n in calls) if compiled_here else 0
+    to_compile = sum(SEGMENT.of(n).is_graph for n in calls) if compiled_here else 0
     progress = Progress(f"pp_breakable segment compile {ctx.graph_name}", to_compile, "segments")
     for node in calls:
         name = str(node.target)
         sub = getattr(split, name)
-        graphed = node.meta["pp_segment"].is_graph and not ctx.is_static
+        graphed = SEGMENT.of(node).is_graph and not ctx.is_static
         compiler = config.segment_compiler if graphed else "eager"
         if compiler == "eager":
             callables[name] = _generated_forward(sub)

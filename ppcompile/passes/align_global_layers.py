@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from ppcompile.analysis.node_facts import LAYER_ID
 from ppcompile.analysis.op_matching import attention_layer_id
 from ppcompile.passes.context import PassContext, PassResult
 
@@ -48,7 +49,7 @@ def align_global_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
                 f"({seen[layer_id].name} and {node.name}) in {ctx.graph_name}; each layer needs its own id"
             )
         seen[layer_id] = node
-        node.meta["pp_layer_id"] = layer_id
+        LAYER_ID.set(node, layer_id)
     ids = tuple(sorted(seen))
     ctx.layer_ids = ids
     if ids and ids != tuple(range(ids[0], ids[-1] + 1)):

@@ -30,6 +30,7 @@ import logging
 import torch
 
 from ppcompile.analysis.capture_rules import CaptureRules
+from ppcompile.analysis.node_facts import CAPTURE_UNSAFE
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name
 from ppcompile.errors import source_line
 from ppcompile.passes.context import PassContext, PassResult
@@ -55,7 +56,7 @@ def check_capture_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
         if why is None:
             continue
         label = f"Tensor.{op_name(node)}" if node.op == "call_method" else op_name(node, qualified=True)
-        node.meta["pp_capture_unsafe"] = why
+        CAPTURE_UNSAFE.set(node, why)
         log.info("%s: %s %s at %s: runs eagerly (capture safety)", ctx.graph_name, label, why,
                  source_line(node))
     return PassResult(gm, modified=False)

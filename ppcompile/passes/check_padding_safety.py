@@ -35,6 +35,7 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.analysis.node_facts import PADDING_UNSAFE, TOKEN_LOCAL, token_dims
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name, resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
 from ppcompile.analysis.token_locality import is_registered_token_local, mutated_inputs, rule_for
@@ -59,10 +60,9 @@ def _op_label(node: torch.fx.Node) -> str:
 
 
 def _touches_tokens(node: torch.fx.Node) -> bool:
-    if node.meta.get("pp_token_dims"):
+    if token_dims(node):
         return True
-    args = tree_leaves((node.args, node.kwargs))
-    return any(isinstance(a, torch.fx.Node) and a.meta.get("pp_token_dims") for a in args)
+    return any(token_dims(a) for a in tree_leaves((node.args, node.kwargs)))
 
 
 def shrinking_token_size(
@@ -73,9 +73,9 @@ def shrinking_token_size(
     ``b > n`` would then hold fewer rows than the live count ``n`` has."""
     if token is None:
         return None
-    nodes = [node, *(a for a in node.all_input_nodes if a.meta.get("pp_token_dims"))]
+    nodes = [node, *(a for a in node.all_input_nodes if token_dims(a))]
     for value in nodes:
-        for _, expr in value.meta.get("pp_token_dims", ()):
+        for _, expr in token_dims(value):
             if expr not in memo:
                 memo[expr] = first_decrease(expr, token, cap)
             n = memo[expr]
@@ -96,7 +96,7 @@ def _verdict(
     shrinking = shrinking_token_size(node, ctx.token_symbol, cap, memo)
     # In-place methods, out=, and ops whose schema writes.
     written = next((p for p in mutated_inputs(node) if p not in lifted), None)
-    declared = "pp_token_local" in node.meta or (
+    declared = TOKEN_LOCAL.has(node) or (
         node.op == "call_function" and is_registered_token_local(node.target, extra_safe)
     )
     if shrinking is None and written is None and declared:
@@ -121,7 +121,7 @@ def _flag(node: torch.fx.Node, reason: str, ctx: PassContext) -> None:
             f"to run it eagerly, or register it with ppcompile.register_token_local_op if it is "
             f"token-local."
         )
-    node.meta["pp_unsafe"] = reason
+    PADDING_UNSAFE.set(node, reason)
     log.info("%s: %s at %s: runs eagerly (padding safety)", ctx.graph_name, reason, source_line(node))
 
 
@@ -136,7 +136,7 @@ def check_padding_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
     decreases: dict[sympy.Expr, int | None] = {}
     tails: dict[torch.fx.Node, Tail] = {}
     lifted = frozenset(p for p, kind in zip(gm.graph.find_nodes(op="placeholder"), ctx.input_kinds)
-                       if kind is InputKind.TENSOR and p.meta.get("pp_token_dims"))
+                       if kind is InputKind.TENSOR and token_dims(p))
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or breaks.matches(node):
             continue
@@ -151,13 +151,13 @@ def check_padding_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
     def stays_graphed(node: torch.fx.Node) -> bool:
         value = example_value(node)
         exprs = shape_exprs(value) if isinstance(value, torch.Tensor) else ()
-        return (node.op in ("call_function", "call_method") and "pp_unsafe" not in node.meta
-                and "pp_token_local" not in node.meta and not breaks.matches(node)
+        return (node.op in ("call_function", "call_method") and not PADDING_UNSAFE.has(node)
+                and not TOKEN_LOCAL.has(node) and not breaks.matches(node)
                 and not any(e.free_symbols & ctx.other_symbols for e in exprs))
 
     for origin, reached in escaping_tails(gm, tails, stays_graphed, token, cap).items():
         _flag(origin, f"{_op_label(origin)} makes rows past the live ones that read padding (a causal "
                       f"conv's tail), and {reached} reads them before a prefix slice cuts them off", ctx)
-    unsafe = sum("pp_unsafe" in n.meta for n in gm.graph.nodes)
+    unsafe = sum(PADDING_UNSAFE.has(n) for n in gm.graph.nodes)
     log.debug("%s: %d padding-unsafe nodes", ctx.graph_name, unsafe)
     return PassResult(gm, modified=False)

@@ -39,6 +39,7 @@ import re
 
 import torch
 
+from ppcompile.analysis.node_facts import EAGER_REGION, TOKEN_LOCAL
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.regions import ANNOTATION_KEY, class_label, declared_classes, declared_functions
 
@@ -90,11 +91,11 @@ def find_declared_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
             continue
         eager = _eager_region_of(node, functions) if functions else None
         if eager is not None:
-            node.meta["pp_eager_region"] = eager
+            EAGER_REGION.set(node, eager)
             continue
         name = _region_of(node, classes)
         if name is not None:
-            node.meta["pp_token_local"] = name
+            TOKEN_LOCAL.set(node, name)
             names[name] = None
     ctx.token_local_regions = tuple(names)
     if names:

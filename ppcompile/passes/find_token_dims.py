@@ -33,6 +33,7 @@ from collections import Counter
 import sympy
 import torch
 
+from ppcompile.analysis.node_facts import SIZE_EXPR, TOKEN_DIMS
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
 from ppcompile.symbolic import example_value, shape_exprs, shape_guards, size_value_expr
@@ -113,15 +114,15 @@ def find_token_dims(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         value = example_value(node)
         if isinstance(value, torch.Tensor):
             exprs = shape_exprs(value)
-            node.meta["pp_token_dims"] = tuple((d, e) for d, e in enumerate(exprs) if token in e.free_symbols)
+            TOKEN_DIMS.set(node, tuple((d, e) for d, e in enumerate(exprs) if token in e.free_symbols))
             for e in exprs:
                 others.update(e.free_symbols - {token})
         elif (expr := size_value_expr(value)) is not None:
-            node.meta["pp_size_expr"] = expr
+            SIZE_EXPR.set(node, expr)
             others.update(expr.free_symbols - {token})
     for i, node in enumerate(placeholders):
         if ctx.input_kinds[i] is InputKind.SYMINT:
-            ctx.symint_inputs[i] = node.meta["pp_size_expr"]
+            ctx.symint_inputs[i] = SIZE_EXPR.of(node)
     ctx.other_symbols = frozenset(others)
     i, d = ctx.token_input or (0, 0)
     ctx.token_guards = shape_guards(example_value(placeholders[i]).shape[d], token)

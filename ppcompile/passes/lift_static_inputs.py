@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from ppcompile.analysis.node_facts import SEGMENT, STATIC_BUFFER
 from ppcompile.passes.context import PassContext, PassResult, StaticInputPlan
 from ppcompile.records import InputKind, StaticBuffer
 from ppcompile.symbolic import SizeFn, example_value, shape_exprs
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def _reads_in_graph(node: torch.fx.Node) -> bool:
-    return any(u.op == "call_module" and u.meta["pp_segment"].is_graph for u in node.users)
+    return any(u.op == "call_module" and SEGMENT.of(u).is_graph for u in node.users)
 
 
 def _buffer_for(node: torch.fx.Node, role: str, ctx: PassContext, cap: int) -> StaticBuffer:
@@ -65,18 +66,18 @@ def lift_static_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult
     for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
         if ctx.input_kinds[i] is InputKind.TENSOR and _reads_in_graph(node):
             buffer = _buffer_for(node, "input", ctx, cap)
-            node.meta["pp_static_buffer"] = buffer
+            STATIC_BUFFER.set(node, buffer)
             ctx.static_inputs.append(StaticInputPlan(i, buffer, shape_exprs(example_value(node))))
     ctx.bridges = {}
     for node in gm.graph.nodes:
         producer = node.args[0] if node.op == "call_function" and node.args else node
         if not isinstance(producer, torch.fx.Node) or producer.op != "call_module":
             continue
-        if producer.meta["pp_segment"].is_graph or not isinstance(example_value(node), torch.Tensor):
+        if SEGMENT.of(producer).is_graph or not isinstance(example_value(node), torch.Tensor):
             continue
         if _reads_in_graph(node):
             buffer = _buffer_for(node, "bridge", ctx, cap)
-            node.meta["pp_static_buffer"] = buffer
+            STATIC_BUFFER.set(node, buffer)
             ctx.bridges[node.name] = buffer
     total = sum(p.buffer.nbytes for p in ctx.static_inputs) + sum(b.nbytes for b in ctx.bridges.values())
     log.debug("%s: %d lifted inputs, %d bridges, %.1f KiB at bucket %d", ctx.graph_name,

@@ -39,6 +39,16 @@ import sympy
 import torch
 from torch.fx.passes.split_module import split_module
 
+from ppcompile.analysis.node_facts import (
+    CAPTURE_UNSAFE,
+    EAGER_REGION,
+    LAYER_ID,
+    PADDING_UNSAFE,
+    SEGMENT,
+    SIZE_EXPR,
+    TOKEN_DIMS,
+    TOKEN_LOCAL,
+)
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name
 from ppcompile.analysis.partitions import atomic_regions, fold_tiny_graphs
 from ppcompile.passes.context import PassContext, PassResult
@@ -50,7 +60,7 @@ __all__ = ["split_at_breaks"]
 
 log = logging.getLogger(__name__)
 
-_COPIED_META = ("example_value", "val", "pp_token_dims", "pp_size_expr")
+_COPIED_META = ("example_value", "val", TOKEN_DIMS.key, SIZE_EXPR.key)
 
 
 def _mentions_other_symbols(node: torch.fx.Node, ctx: PassContext) -> bool:
@@ -64,8 +74,8 @@ def _mentions_other_symbols(node: torch.fx.Node, ctx: PassContext) -> bool:
         exprs.append(size_expr(value))
     # A size argument baked into a graph at capture would be replayed with a stale value.
     for arg in tree_leaves((node.args, node.kwargs)):
-        if isinstance(arg, torch.fx.Node) and "pp_size_expr" in arg.meta:
-            exprs.append(arg.meta["pp_size_expr"])
+        if isinstance(arg, torch.fx.Node) and (expr := SIZE_EXPR.get(arg)) is not None:
+            exprs.append(expr)
         elif isinstance(arg, torch.fx.Node) and isinstance(example_value(arg), torch.Tensor):
             exprs.extend(shape_exprs(example_value(arg)))  # a graph cannot read it at a fixed size
     return any(e.free_symbols & ctx.other_symbols for e in exprs)
@@ -78,11 +88,11 @@ def _break_reason(
     reads_host = any(a in host for a in node.all_input_nodes)
     if reads_host and not isinstance(example_value(node), torch.Tensor):
         host.add(node)  # a number derived from a per-call scalar: its readers run eagerly too
-    if "pp_eager_region" in node.meta:
+    if (region := EAGER_REGION.get(node)) is not None:
         return BreakReason(BreakKind.EAGER_REGION, op_name(node, qualified=True),
-                           f"traced inside {node.meta['pp_eager_region']}, declared an eager region", trace)
+                           f"traced inside {region}, declared an eager region", trace)
     if attention.matches(node):
-        layer = node.meta.get("pp_layer_id")
+        layer = LAYER_ID.get(node)
         detail = f"global layer {layer}" if layer is not None else ""
         return BreakReason(BreakKind.ATTENTION, op_name(node, qualified=True), detail, trace)
     if user.matches(node):
@@ -94,11 +104,10 @@ def _break_reason(
             BreakKind.NON_TOKEN_SHAPE, op_name(node, qualified=True),
             f"depends on {others}, not only on the token count", trace,
         )
-    if "pp_capture_unsafe" in node.meta:
-        return BreakReason(BreakKind.CAPTURE_UNSAFE, op_name(node, qualified=True),
-                           node.meta["pp_capture_unsafe"], trace)
-    if "pp_unsafe" in node.meta:
-        return BreakReason(BreakKind.UNSAFE_OP, op_name(node, qualified=True), node.meta["pp_unsafe"], trace)
+    if (why := CAPTURE_UNSAFE.get(node)) is not None:
+        return BreakReason(BreakKind.CAPTURE_UNSAFE, op_name(node, qualified=True), why, trace)
+    if (why := PADDING_UNSAFE.get(node)) is not None:
+        return BreakReason(BreakKind.UNSAFE_OP, op_name(node, qualified=True), why, trace)
     if reads_host:
         return BreakReason(
             BreakKind.HOST_SCALAR, op_name(node, qualified=True),
@@ -177,16 +186,16 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             part += 1
             reasons[part] = reason
-            if "pp_layer_id" in node.meta:
-                layer_ids[part] = (node.meta["pp_layer_id"],)
+            if (layer_id := LAYER_ID.get(node)) is not None:
+                layer_ids[part] = (layer_id,)
             current_is_break = True
         partition[node] = part
 
     folded = fold_tiny_graphs(partition, reasons, layer_ids, ctx.config.fold_graph_ops)
     declared: dict[int, dict[str, None]] = {}
     for node, index in partition.items():
-        if "pp_token_local" in node.meta:
-            declared.setdefault(index, {})[node.meta["pp_token_local"]] = None
+        if (region := TOKEN_LOCAL.get(node)) is not None:
+            declared.setdefault(index, {})[region] = None
     split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
     ctx.segments = []
     for node in split.graph.find_nodes(op="call_module"):
@@ -205,7 +214,7 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             layer_ids=layer_ids.get(index, ()),
             token_local_regions=tuple(declared.get(index, ())),
         )
-        node.meta["pp_segment"] = segment
+        SEGMENT.set(node, segment)
         ctx.segments.append(segment)
         _annotate_outputs(split, node, submod)
     n_graph = sum(s.is_graph for s in ctx.segments)

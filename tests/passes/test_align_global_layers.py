@@ -7,6 +7,7 @@ import torch
 from attention_modules import Attn, attention_context
 from fx_helpers import dynamo_graph, make_ctx
 
+from ppcompile.analysis.node_facts import LAYER_ID
 from ppcompile.passes.align_global_layers import align_global_layers
 from ppcompile.passes.find_token_dims import find_token_dims
 
@@ -30,15 +31,15 @@ def test_contiguous_global_ids_are_eligible() -> None:
     assert result.graph_module is gm and not result.modified
     assert ctx.layer_ids == (4, 5, 6)
     assert ctx.eligible and ctx.ineligible_reason is None
-    assert [n.meta["pp_layer_id"] for n in _attention_nodes(gm)] == [4, 5, 6]
-    assert all("pp_layer_id" not in n.meta for n in gm.graph.nodes if n not in _attention_nodes(gm))
+    assert [LAYER_ID.get(n) for n in _attention_nodes(gm)] == [4, 5, 6]
+    assert all(not LAYER_ID.has(n) for n in gm.graph.nodes if n not in _attention_nodes(gm))
 
 
 def test_ids_are_recorded_sorted_and_out_of_order_calls_keep_their_own_id() -> None:
     gm, ctx = _align((6, 4, 5))
     align_global_layers(gm, ctx)
     assert ctx.layer_ids == (4, 5, 6) and ctx.eligible
-    assert [n.meta["pp_layer_id"] for n in _attention_nodes(gm)] == [6, 4, 5]
+    assert [LAYER_ID.get(n) for n in _attention_nodes(gm)] == [6, 4, 5]
 
 
 def test_duplicate_ids_raise_naming_the_id() -> None:
@@ -72,4 +73,4 @@ def test_layer_id_passed_by_keyword() -> None:
     ctx = make_ctx(gm, ex)
     align_global_layers(gm, ctx)
     assert ctx.layer_ids == (7,)
-    assert [n.meta["pp_layer_id"] for n in _attention_nodes(gm)] == [7]
+    assert [LAYER_ID.get(n) for n in _attention_nodes(gm)] == [7]

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ppcompile
 from ppcompile.analysis.capture_rules import CaptureRules
+from ppcompile.analysis.node_facts import CAPTURE_UNSAFE
 from ppcompile.passes.check_capture_safety import check_capture_safety
 from ppcompile.passes.split_at_breaks import split_at_breaks
 from ppcompile.records import BreakKind
@@ -111,7 +112,7 @@ def test_the_pass_marks_the_node_and_leaves_the_graph_alone() -> None:
     before = str(gm.graph)
     gm = run_until(gm, ctx, check_capture_safety)
     assert str(gm.graph) == before
-    marked = {n.name: n.meta["pp_capture_unsafe"] for n in gm.graph.nodes if "pp_capture_unsafe" in n.meta}
+    marked = {n.name: CAPTURE_UNSAFE.of(n) for n in gm.graph.nodes if CAPTURE_UNSAFE.has(n)}
     (name,) = marked
     assert "offset_scale" in name and "its implementation reads a device value on the host" in marked[name]
 

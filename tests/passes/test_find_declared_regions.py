@@ -13,6 +13,7 @@ from torch import nn
 
 import ppcompile
 from ppcompile.analysis import partitions
+from ppcompile.analysis.node_facts import PADDING_UNSAFE, TOKEN_LOCAL
 from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.find_declared_regions import find_declared_regions
 from ppcompile.records import BreakKind
@@ -78,8 +79,9 @@ def _regions(stage: nn.Module) -> dict[str, str]:
     gm, ex = dynamo_graph(stage, torch.randn(6, H))
     ctx = make_ctx(gm, ex)
     gm = run_until(gm, ctx, check_padding_safety)
-    return {str(getattr(n.target, "__name__", n.target)): n.meta.get("pp_token_local", "") + "|"
-            + n.meta.get("pp_unsafe", "") for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    return {str(getattr(n.target, "__name__", n.target)): (TOKEN_LOCAL.get(n) or "") + "|"
+            + (PADDING_UNSAFE.get(n) or "")
+            for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
 
 
 @pytest.mark.parametrize("how", ["class", "instance"])

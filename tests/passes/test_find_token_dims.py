@@ -7,6 +7,7 @@ import torch
 from fx_helpers import dynamo_graph, make_ctx
 from torch.utils._sympy.functions import FloorDiv
 
+from ppcompile.analysis.node_facts import SIZE_EXPR, TOKEN_DIMS
 from ppcompile.passes.find_token_dims import find_token_dims
 from ppcompile.records import InputKind
 from ppcompile.symbolic import SizeFn, example_value
@@ -40,7 +41,7 @@ def test_token_symbol_of_a_1d_input() -> None:
     gm, ctx = _run(lambda ids: ids * 2, torch.arange(6))
     (x,) = [p for p in gm.graph.find_nodes(op="placeholder") if isinstance(example_value(p), torch.Tensor)]
     assert ctx.token_symbol is not None and not ctx.is_static
-    assert x.meta["pp_token_dims"] == ((0, ctx.token_symbol),)
+    assert TOKEN_DIMS.get(x) == ((0, ctx.token_symbol),)
     assert ctx.token_input == (list(gm.graph.find_nodes(op="placeholder")).index(x), 0)
 
 
@@ -63,14 +64,14 @@ def test_kinds_of_parameters_buffers_live_tensors_proxies_and_symints() -> None:
     (sym_index,) = ctx.symint_inputs
     assert ctx.symint_inputs[sym_index] == s0
     nodes = _by_name(gm)
-    assert nodes["l_x_"].meta["pp_token_dims"] == ((0, s0),)
-    assert nodes["l_proxies_hidden_states_"].meta["pp_token_dims"] == ((0, s0),)
-    assert nodes["l_self_modules_lin_parameters_weight_"].meta["pp_token_dims"] == ()
-    assert nodes["l_self_buffers_shift_"].meta["pp_token_dims"] == ()
+    assert TOKEN_DIMS.get(nodes["l_x_"]) == ((0, s0),)
+    assert TOKEN_DIMS.get(nodes["l_proxies_hidden_states_"]) == ((0, s0),)
+    assert TOKEN_DIMS.get(nodes["l_self_modules_lin_parameters_weight_"]) == ()
+    assert TOKEN_DIMS.get(nodes["l_self_buffers_shift_"]) == ()
     assert placeholders[ctx.token_input[0]].name == "l_x_"  # type: ignore[index]
     # Intermediates are annotated too, and the sizes are the token symbol itself.
     linear = next(n for n in gm.graph.nodes if n.target is torch._C._nn.linear)
-    assert linear.meta["pp_token_dims"] == ((0, s0),)
+    assert TOKEN_DIMS.get(linear) == ((0, s0),)
     assert ctx.other_symbols == frozenset()
 
 
@@ -85,20 +86,20 @@ def test_floordiv_output_gets_a_floordiv_token_expr() -> None:
     assert s0 is not None
     (out,) = gm.graph.find_nodes(op="output")
     (result,) = out.args[0]
-    ((dim, expr),) = result.meta["pp_token_dims"]
+    ((dim, expr),) = TOKEN_DIMS.of(result)
     assert dim == 0
     assert expr == FloorDiv(s0, 2)
     assert SizeFn(expr)({s0: 7}) == 3
     assert SizeFn(expr)({s0: 8192}) == 4096
-    floordiv = next(n for n in gm.graph.nodes if "pp_size_expr" in n.meta and n.op != "placeholder")
-    assert floordiv.meta["pp_size_expr"] == expr
+    floordiv = next(n for n in gm.graph.nodes if SIZE_EXPR.has(n) and n.op != "placeholder")
+    assert SIZE_EXPR.get(floordiv) == expr
 
 
 def test_static_graph_has_no_token_symbol() -> None:
     gm, ctx = _run(_Stage(), torch.randn(6, 8), {"hidden_states": torch.randn(6, 8)}, dynamic=False)
     assert ctx.token_symbol is None and ctx.token_input is None and ctx.is_static
     assert InputKind.SYMINT not in ctx.input_kinds
-    assert all("pp_token_dims" not in n.meta for n in gm.graph.nodes)
+    assert all(not TOKEN_DIMS.has(n) for n in gm.graph.nodes)
 
 
 def test_most_voted_leading_symbol_wins() -> None:
@@ -112,6 +113,6 @@ def test_most_voted_leading_symbol_wins() -> None:
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     ids = next(p for p in placeholders if p.name == "l_ids_")
     other = next(p for p in placeholders if p.name == "l_other_")
-    assert ids.meta["pp_token_dims"] == ((0, ctx.token_symbol),)
-    assert other.meta["pp_token_dims"] == ()
+    assert TOKEN_DIMS.get(ids) == ((0, ctx.token_symbol),)
+    assert TOKEN_DIMS.get(other) == ()
     assert len(ctx.other_symbols) == 1

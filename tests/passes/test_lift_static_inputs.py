@@ -6,6 +6,7 @@ import torch
 from attention_modules import Attn, attention_context
 from fx_helpers import dynamo_graph, make_ctx, run_until
 
+from ppcompile.analysis.node_facts import STATIC_BUFFER
 from ppcompile.passes.lift_static_inputs import lift_static_inputs
 from ppcompile.records import InputKind
 
@@ -30,11 +31,11 @@ def test_live_input_gets_a_buffer_at_the_cap_and_break_outputs_get_bridges() -> 
     assert plan.buffer.dtype == torch.float32 and plan.buffer.device == torch.device("cpu")
     assert plan.buffer.nbytes == 32 * 8 * 4
     assert plan.size_exprs == (ctx.token_symbol, 8)
-    assert placeholders[plan.input_index].meta["pp_static_buffer"] == plan.buffer
+    assert STATIC_BUFFER.get(placeholders[plan.input_index]) == plan.buffer
     # Parameters are read in place.
     for p in placeholders:
         if "parameters" in p.name:
-            assert "pp_static_buffer" not in p.meta
+            assert not STATIC_BUFFER.has(p)
     # Each attention output is read by the next graph segment: one bridge per break.
     breaks = [s.name for s in ctx.segments if not s.is_graph]
     assert sorted(ctx.bridges) == sorted(breaks)
@@ -55,7 +56,7 @@ def test_input_read_only_by_a_break_gets_no_buffer() -> None:
     placeholders = list(split.graph.find_nodes(op="placeholder"))
     assert [placeholders[p.input_index].name for p in ctx.static_inputs] == ["l_x_"]
     kv = next(p for p in placeholders if p.name == "l_kv_")
-    assert "pp_static_buffer" not in kv.meta
+    assert not STATIC_BUFFER.has(kv)
     assert ctx.bridges == {}  # the attention output goes straight to the stage output
 
 

@@ -12,6 +12,7 @@ from attention_modules import Attn, attention_context
 from fx_helpers import dynamo_graph, make_ctx, run_until
 
 import ppcompile
+from ppcompile.analysis.node_facts import SEGMENT, TOKEN_DIMS
 from ppcompile.passes.split_at_breaks import split_at_breaks
 from ppcompile.records import BreakKind, Segment
 
@@ -37,7 +38,7 @@ def _assert_same(got: Any, want: Any) -> None:
 
 def _check_records(split: torch.fx.GraphModule, segments: list[Segment]) -> None:
     calls = list(split.graph.find_nodes(op="call_module"))
-    assert [c.meta["pp_segment"] for c in calls] == segments
+    assert [SEGMENT.of(c) for c in calls] == segments
     assert [s.name for s in segments] == [str(c.target) for c in calls]
     for s in segments:
         sub = getattr(split, s.name)
@@ -222,7 +223,7 @@ def test_graph_without_breaks_is_one_graph_segment() -> None:
     split, ex, ctx = _split(m, x)
     assert _kinds(ctx.segments) == "g"
     (call,) = split.graph.find_nodes(op="call_module")
-    assert call.meta["pp_token_dims"] == ((0, ctx.token_symbol),)  # copied from the segment's output
+    assert TOKEN_DIMS.get(call) == ((0, ctx.token_symbol),)  # copied from the segment's output
     with torch.no_grad():
         _assert_same(split(*ex), (m(x),))
 
