@@ -38,8 +38,9 @@ class PassContext:
     ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input`` and ``token_guards``;
     ``find_declared_regions`` fills ``token_local_regions``;
     ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``split_at_breaks`` fills
-    ``segments``; ``lift_static_inputs`` fills ``static_inputs`` and ``bridges``. Outputs are trimmed by
-    their token dims (node meta), which ``lowering.build_program`` reads.
+    ``segments``; ``lift_static_inputs`` fills ``static_inputs``. Facts about single nodes (token dims,
+    break verdicts, segments, static buffers and bridges) live on the nodes: ``analysis.node_facts``.
+    Outputs are trimmed by their token dims, which ``lowering.build_program`` reads.
     """
 
     config: PPBreakableConfig
@@ -57,7 +58,6 @@ class PassContext:
     ineligible_reason: str | None = None
     segments: list[Segment] = dataclasses.field(default_factory=list)
     static_inputs: list[StaticInputPlan] = dataclasses.field(default_factory=list)
-    bridges: dict[str, StaticBuffer] = dataclasses.field(default_factory=dict)
     pass_times: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property

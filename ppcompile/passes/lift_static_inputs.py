@@ -18,7 +18,8 @@ Before (split graph; cap 64)::
 After (same code; plans recorded)::
 
     ctx.static_inputs == [StaticInputPlan(input_index=1, buffer=StaticBuffer("L_x_", "input", (64, 64), ...))]
-    ctx.bridges       == {"submod_1": StaticBuffer("submod_1", "bridge", (64, 64), ...)}
+    L_x_.meta["pp_static_buffer"]     == the same StaticBuffer("L_x_", "input", ...)
+    submod_1.meta["pp_static_buffer"] == StaticBuffer("submod_1", "bridge", (64, 64), ...)  # a bridge
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _buffer_for(node: torch.fx.Node, role: str, ctx: PassContext, cap: int) -> S
 
 
 def lift_static_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Plans static buffers for graph-read live inputs (``ctx.static_inputs``) and bridges."""
+    """Plans static buffers for graph-read live inputs (``ctx.static_inputs``) and bridges (break outputs
+    graph segments read); records each on its node (``STATIC_BUFFER``), where lowering reads them."""
     if ctx.is_static:
         return PassResult(gm, modified=False)
     cap = ctx.config.cap
@@ -68,7 +70,7 @@ def lift_static_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult
             buffer = _buffer_for(node, "input", ctx, cap)
             STATIC_BUFFER.set(node, buffer)
             ctx.static_inputs.append(StaticInputPlan(i, buffer, shape_exprs(example_value(node))))
-    ctx.bridges = {}
+    bridges: list[StaticBuffer] = []
     for node in gm.graph.nodes:
         producer = node.args[0] if node.op == "call_function" and node.args else node
         if not isinstance(producer, torch.fx.Node) or producer.op != "call_module":
@@ -78,8 +80,8 @@ def lift_static_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult
         if _reads_in_graph(node):
             buffer = _buffer_for(node, "bridge", ctx, cap)
             STATIC_BUFFER.set(node, buffer)
-            ctx.bridges[node.name] = buffer
-    total = sum(p.buffer.nbytes for p in ctx.static_inputs) + sum(b.nbytes for b in ctx.bridges.values())
+            bridges.append(buffer)
+    total = sum(p.buffer.nbytes for p in ctx.static_inputs) + sum(b.nbytes for b in bridges)
     log.debug("%s: %d lifted inputs, %d bridges, %.1f KiB at bucket %d", ctx.graph_name,
-              len(ctx.static_inputs), len(ctx.bridges), total / 1024, cap)
+              len(ctx.static_inputs), len(bridges), total / 1024, cap)
     return PassResult(gm, modified=False)

@@ -7,11 +7,13 @@ from typing import Any
 
 import torch
 
+from ppcompile.analysis.node_facts import STATIC_BUFFER
 from ppcompile.config import PPBreakableConfig
 from ppcompile.passes.context import PassContext
 from ppcompile.passes.manager import PASSES
+from ppcompile.records import StaticBuffer
 
-__all__ = ["dynamo_graph", "make_ctx", "op_targets", "run_until"]
+__all__ = ["bridges", "dynamo_graph", "make_ctx", "op_targets", "run_until"]
 
 
 def dynamo_graph(
@@ -65,3 +67,10 @@ def run_until(
 def op_targets(gm: torch.fx.GraphModule) -> list[Any]:
     """The targets of the ``call_function`` / ``call_method`` nodes of ``gm``, in order."""
     return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def bridges(split: torch.fx.GraphModule) -> dict[str, StaticBuffer]:
+    """Node name -> static buffer of each bridge ``lift_static_inputs`` planned (a break output that a
+    graph segment reads), as lowering finds them: on the non-placeholder nodes of the split graph."""
+    return {n.name: buffer for n in split.graph.nodes
+            if n.op != "placeholder" and (buffer := STATIC_BUFFER.get(n)) is not None}

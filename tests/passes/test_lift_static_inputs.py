@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from attention_modules import Attn, attention_context
-from fx_helpers import dynamo_graph, make_ctx, run_until
+from fx_helpers import bridges, dynamo_graph, make_ctx, run_until
 
 from ppcompile.analysis.node_facts import STATIC_BUFFER
 from ppcompile.passes.lift_static_inputs import lift_static_inputs
@@ -38,8 +38,8 @@ def test_live_input_gets_a_buffer_at_the_cap_and_break_outputs_get_bridges() -> 
             assert not STATIC_BUFFER.has(p)
     # Each attention output is read by the next graph segment: one bridge per break.
     breaks = [s.name for s in ctx.segments if not s.is_graph]
-    assert sorted(ctx.bridges) == sorted(breaks)
-    for name, bridge in ctx.bridges.items():
+    assert sorted(bridges(split)) == sorted(breaks)
+    for name, bridge in bridges(split).items():
         assert bridge.role == "bridge" and bridge.name == name
         assert bridge.shape == (32, 2, 4) and bridge.token_dims == (0,)
 
@@ -57,7 +57,7 @@ def test_input_read_only_by_a_break_gets_no_buffer() -> None:
     assert [placeholders[p.input_index].name for p in ctx.static_inputs] == ["l_x_"]
     kv = next(p for p in placeholders if p.name == "l_kv_")
     assert not STATIC_BUFFER.has(kv)
-    assert ctx.bridges == {}  # the attention output goes straight to the stage output
+    assert bridges(split) == {}  # the attention output goes straight to the stage output
 
 
 def test_proxies_are_lifted_like_inputs() -> None:
@@ -78,15 +78,15 @@ def test_non_token_input_read_by_breaks_only_is_not_lifted() -> None:
     def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return lin(x) + lin(y).sum(0)
 
-    _, ctx = _lift(f, torch.randn(6, 8), torch.randn(5, 8), capture_sizes=[16])
+    split, ctx = _lift(f, torch.randn(6, 8), torch.randn(5, 8), capture_sizes=[16])
     assert [p.buffer.name for p in ctx.static_inputs] == ["l_x_"]
-    assert len(ctx.bridges) == 1
-    for bridge in ctx.bridges.values():
+    assert len(bridges(split)) == 1
+    for bridge in bridges(split).values():
         assert bridge.shape == (8,) and bridge.token_dims == ()  # the reduced [8] read by the add
 
 
 def test_static_graph_lifts_nothing() -> None:
     gm, ex = dynamo_graph(torch.nn.Linear(8, 8), torch.randn(6, 8), dynamic=False)
     ctx = make_ctx(gm, ex)
-    run_until(gm, ctx, lift_static_inputs)
-    assert ctx.static_inputs == [] and ctx.bridges == {}
+    split = run_until(gm, ctx, lift_static_inputs)
+    assert ctx.static_inputs == [] and bridges(split) == {}
