@@ -18,6 +18,7 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.analysis import node_facts
 from ppcompile.analysis.token_locality import mutated_inputs
 from ppcompile.records import Segment
 from ppcompile.runtime.program import BreakStep, CopyPoint, GraphStep, Program, Ref, SegmentFn, Step
@@ -107,7 +108,7 @@ def _buffer_plans(slots: Mapping[torch.fx.Node, int], steps: Sequence[_Traced],
                 traced[s] = st.out_layouts[i] if i < len(st.out_layouts) else None
     plans: dict[int, BufferPlan] = {}
     for node, slot in sorted(slots.items(), key=lambda kv: (kv[0].op != "placeholder", kv[1])):
-        spec = node.meta.get("pp_static_buffer")
+        spec = node_facts.STATIC_BUFFER.get(node)
         if spec is None:
             continue
         layout = traced.get(slot) if traced_strides else None
@@ -130,13 +131,13 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
     def slot_of(node: torch.fx.Node) -> int:
         if node not in slots:
             slots[node] = len(slots)
-        dims = node.meta.get("pp_token_dims")
+        dims = node_facts.TOKEN_DIMS.get(node)
         if dims:
             token_dims[slots[node]] = tuple((d, SizeFn(e)) for d, e in dims)
         return slots[node]
 
     def ref(node: Any) -> Ref:
-        expr = node.meta.get("pp_size_expr") if isinstance(node, torch.fx.Node) else None
+        expr = node_facts.SIZE_EXPR.get(node) if isinstance(node, torch.fx.Node) else None
         if expr is not None:
             return Ref(size=SizeFn(expr))
         return Ref(slot=slot_of(node))
@@ -145,7 +146,7 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
         slot_of(p)
     traced: list[_Traced] = []
     for node in split.graph.find_nodes(op="call_module"):
-        segment: Segment = node.meta["pp_segment"]
+        segment = node_facts.SEGMENT.of(node)
         (out,) = getattr(split, str(node.target)).graph.find_nodes(op="output")
         multi = isinstance(out.args[0], (tuple, list))
         if multi:
