@@ -6,7 +6,6 @@ and registered on ``import ppcompile`` as well.
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from ppcompile.debug.report import on_stage_compiled, publish_report
 from ppcompile.lowering import lower_stage
 from ppcompile.passes.context import PassContext
 from ppcompile.passes.manager import run_passes
+from ppcompile.runtime.observer import CaptureStart
 from ppcompile.runtime.stage_runtime import StageRuntime
 
 from .segment_compilers import (
@@ -87,8 +87,18 @@ def pp_breakable(
         compile_times=compile_times(dynamo_seconds, ctx, segment_compiles),
         compile_id=torch_internals.compile_id(),
     )
-    observer = functools.partial(CaptureRecorder, on_finish=publish_report)  # capture runs -> debug
-    runtime = StageRuntime(stage, config, observer=observer)
+    built: list[weakref.ref[StageRuntime]] = []  # the runtime, for the report rewrite after a capture run
+
+    def capture_recorder(start: CaptureStart) -> CaptureRecorder:
+        def rewrite_report() -> None:
+            runtime = built[0]() if built else None
+            if runtime is not None:
+                publish_report(runtime)
+
+        return CaptureRecorder(start, on_finish=rewrite_report)
+
+    runtime = StageRuntime(stage, config, observer=capture_recorder)  # capture runs -> debug
+    built.append(weakref.ref(runtime))
     _RUNTIMES.append(weakref.ref(runtime))
     on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())

@@ -20,6 +20,7 @@ from ppcompile.runtime.codegen import LiveForward, replay_passes_args
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.graph_path import Wrap
 from ppcompile.runtime.instance import StageInstance
+from ppcompile.runtime.observer import CaptureRecord
 
 __all__ = ["StageInspection"]
 
@@ -29,6 +30,7 @@ class StageInspection:
 
     compiled: CompiledStage
     _states: dict[tuple[Any, ...], StageInstance]
+    _capture_runs: list[CaptureRecord]
     config: PPBreakableConfig
     _live_forward: LiveForward
     _wrap: Wrap | None
@@ -43,6 +45,11 @@ class StageInspection:
                 storage = t.untyped_storage()
                 sizes[storage.data_ptr()] = storage.nbytes()
         return sum(sizes.values())
+
+    def capture_records(self) -> list[CaptureRecord]:
+        """Every capture run so far (of any module instance), oldest first: time and memory per bucket
+        (``observer.CaptureRecord``)."""
+        return list(self._capture_runs)
 
     def captured_buckets(self) -> dict[int, tuple[int, ...]]:
         """Per module instance (in order of first call), the buckets captured so far."""

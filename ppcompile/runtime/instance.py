@@ -25,7 +25,7 @@ from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.executors import GraphExecutor, make_executor
 from ppcompile.runtime.fused_copy import RowCopier, make_row_copier
 from ppcompile.runtime.graph_path import GraphPath, Wrap, bind_graph_path, instrumented_path
-from ppcompile.runtime.observer import CaptureObserver
+from ppcompile.runtime.observer import CaptureMeter, CaptureObserver, CaptureRecord, CaptureStart
 from ppcompile.runtime.program import GraphStep
 from ppcompile.runtime.stale_outputs import OutputTracker
 
@@ -37,7 +37,7 @@ class StageInstance:
     ``captured_buckets``, ``input_buffers``, ``bridge_buffers``, ``static_tensors()``, ``failed``)."""
 
     def __init__(self, compiled: CompiledStage, args: Sequence[Any], env_max: dict[sympy.Symbol, int],
-                 debug: bool, copy_kernel: str = "torch") -> None:
+                 debug: bool, copy_kernel: str = "torch", runs: list[CaptureRecord] | None = None) -> None:
         program = compiled.program
         self._compiled = compiled
         # Strong references: the graphs read them (and bake scalars).
@@ -60,6 +60,8 @@ class StageInstance:
         self.owner = 0  # thread ident of the call holding ``lock``
         self.storages: frozenset[int] | None = None  # static memory, for the aliased-input check
         self.tracker: OutputTracker | None = None  # debug: outputs handed out, expired at the next call
+        # Capture runs are appended here (the runtime's list, oldest first).
+        self.runs: list[CaptureRecord] = [] if runs is None else runs
 
     # ----------------------------------------------------------------------------------- inspection
     @property
@@ -124,15 +126,18 @@ class StageInstance:
             return plan.spec.device
         return next((t.device for t in self.module_state if isinstance(t, torch.Tensor)), None)
 
-    def capture(self, runtime: Any, args: Sequence[Any], env: dict[sympy.Symbol, int],
-                buckets: Sequence[int], observer: CaptureObserver, budget_s: float | None = None) -> None:
+    def capture(self, args: Sequence[Any], env: dict[sympy.Symbol, int], buckets: Sequence[int],
+                observer: CaptureObserver, budget_s: float | None = None) -> CaptureRecord:
         """Captures each graph segment at each of ``buckets`` in order (all, or until ``budget_s`` is
-        spent after the first), filling ``tables``; raises on the first failure. ``env``: the call's
-        symbols (the token symbol is set per bucket); ``observer`` is told about the run."""
-        graph_steps = self._compiled.program.graph_steps
+        spent after the first), filling ``tables``; returns the run's record, and raises on the first
+        failure (after appending the failed run's record to ``runs``). ``env``: the call's symbols (the
+        token symbol is set per bucket); ``observer`` hears about the run (``observer.py``)."""
+        compiled = self._compiled
+        graph_steps = compiled.program.graph_steps
         start = time.perf_counter()
         held = (*self._buffers.values(), *self.module_state)
-        recorder = observer(runtime, len(graph_steps), held, start, len(buckets))
+        meter = CaptureMeter(compiled.graph_mode, len(graph_steps), held, start)
+        run = observer(CaptureStart(compiled.name, compiled.graph_mode, len(graph_steps), len(buckets)))
         try:
             with torch.no_grad(), self.executor.capture_session():
                 for b in buckets:
@@ -140,11 +145,16 @@ class StageInstance:
                         break
                     self.tables[b] = self._capture_bucket(args, env, b, graph_steps)
                     self.storages = None  # static memory grew: the aliased-input check recomputes it
-                    recorder.bucket_done(b, self.tables[b])
+                    run.bucket_done(meter.bucket_done(b, self.tables[b]))
         except BaseException as e:
-            recorder.abort(e)
+            record = meter.record(e)
+            self.runs.append(record)
+            run.ended(record)
             raise
-        recorder.finish()  # logs the capture time and memory; rewrites the stage report when dumping
+        record = meter.record()
+        self.runs.append(record)
+        run.ended(record)  # logs the capture time and memory; rewrites the stage report when dumping
+        return record
 
     def _capture_bucket(self, args: Sequence[Any], env: dict[sympy.Symbol, int], b: int,
                         graph_steps: Sequence[GraphStep]) -> list[Any]:

@@ -39,7 +39,7 @@ from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.graph_path import Wrap
 from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import StageInstance
-from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver
+from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureRecord
 from ppcompile.runtime.program import Program, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.validation import aliased_slots, check_inputs, storages_of
@@ -67,6 +67,7 @@ class StageRuntime(StageInspection):
         self.config = config
         self._observer = observer or NO_OBSERVER
         self._states: dict[tuple[Any, ...], StageInstance] = {}
+        self._capture_runs: list[CaptureRecord] = []  # every instance's capture runs, oldest first
         self._live_forward = make_live_forward(compiled.program, compiled.name, compiled.live_checks)
         self._wrap: Wrap | None = None  # instrumented(): the hook its block wraps graph paths with
         self._owned_slots = frozenset(s for st in compiled.program.graph_steps for s in st.live_views)
@@ -316,11 +317,12 @@ class StageRuntime(StageInspection):
         captures nothing here: each bucket at its first use (``_capture_lazily``)."""
         env = self._env(args, self.num_tokens(args))
         env_max = {**env, self.token_symbol: max(self.plan.sizes)}
-        state = StageInstance(self.compiled, args, env_max, self.config.debug, self.config.copy_kernel)
+        state = StageInstance(self.compiled, args, env_max, self.config.debug, self.config.copy_kernel,
+                              runs=self._capture_runs)
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
         if self.config.capture == "all":
             try:
-                state.capture(self, args, env, sorted(self.plan.sizes, reverse=True), self._observer)
+                state.capture(args, env, sorted(self.plan.sizes, reverse=True), self._observer)
             except BaseException as e:
                 state.failed = f"{type(e).__name__}: {e}"
                 state.tables.clear()
@@ -339,7 +341,7 @@ class StageRuntime(StageInspection):
         if budget is not None and not state.tables:
             order += [s for s in self.bucket_values() if s != b]
         try:
-            state.capture(self, args, self._env(args, self.num_tokens(args)), order, self._observer, budget)
+            state.capture(args, self._env(args, self.num_tokens(args)), order, self._observer, budget)
         except Exception as e:
             state.failed_buckets[b] = f"{type(e).__name__}: {e}"
             state.executor.forget(b)

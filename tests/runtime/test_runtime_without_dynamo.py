@@ -19,6 +19,7 @@ from ppcompile.config import PPBreakableConfig
 from ppcompile.records import Segment, StaticBuffer
 from ppcompile.runtime.buckets import make_bucket_plan
 from ppcompile.runtime.compiled_stage import CompiledStage
+from ppcompile.runtime.observer import BucketCapture, CaptureRecord, CaptureStart
 from ppcompile.runtime.program import BreakStep, CopyPoint, GraphStep, Program, Ref
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.runtime.static_buffers import BufferPlan, TensorLayout
@@ -120,3 +121,33 @@ def test_a_plan_without_the_bridge_copy_point_gives_wrong_answers_under_emulatio
     with torch.no_grad():
         got, want = _call(right, 5, w, seed=0)
     torch.testing.assert_close(got, want)
+
+
+def test_an_observer_hears_each_capture_run_through_small_records() -> None:
+    """The runtime measures its captures and keeps the records; an observer gets the start, each bucket
+    and the end as records (never the runtime), also for a lazy run of one bucket."""
+    heard: list[Any] = []
+
+    class Run:
+        def bucket_done(self, bucket: BucketCapture) -> None:
+            heard.append(bucket)
+
+        def ended(self, record: CaptureRecord) -> None:
+            heard.append(record)
+
+    def observer(start: CaptureStart) -> Run:
+        heard.append(start)
+        return Run()
+
+    compiled, config = _compiled()
+    runtime = StageRuntime(compiled, dataclasses.replace(config, capture="lazy"), observer=observer)
+    w = torch.randn(H, H)
+    with torch.no_grad():
+        for i, n in enumerate([5, 6, 12]):  # bucket 8 captured at its first use, then reused; then 16
+            _call(runtime, n, w, seed=i)
+    start, bucket, record = heard[:3]
+    assert start == CaptureStart("hand_made", "emulate", graphs_per_bucket=2, buckets=1)
+    assert bucket.bucket == 8 and bucket.graphs == 2 and bucket.output_bytes > 0
+    assert record.buckets == (bucket,) and record.failed is None and record.graphs == 2
+    assert [type(e).__name__ for e in heard[3:]] == ["CaptureStart", "BucketCapture", "CaptureRecord"]
+    assert runtime.capture_records() == [record, heard[-1]]
