@@ -4,13 +4,14 @@ is checked with ``ppcompile.counters``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stage_checks import assert_close
 
 import ppcompile
 from ppcompile.models import (
@@ -28,7 +29,6 @@ PP = 4
 SIZES = [4, 8, 16, 32, 64]
 CAP = SIZES[-1]
 OPTIONS = {"capture_sizes": SIZES, "graph_mode": "emulate"}  # the graph path ("auto" is live-size on CPU)
-ATOL = 1e-5
 # (seq_lens, bucket or None for eager): 1 token, a bucket exactly, bucket + 1, just under the cap, above it
 CASES: list[tuple[list[int], int | None]] = [
     ([1], None),
@@ -40,22 +40,6 @@ CASES: list[tuple[list[int], int | None]] = [
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
-
-
-def assert_close(got: Any, want: Any, what: str) -> None:
-    """Compares a logits tensor or a proxies mapping (every key; integer tensors exactly)."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{what}: got {type(got).__name__}, expected a tensor"
-        assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        if want.is_floating_point():
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
-        else:
-            assert torch.equal(got, want), f"{what}: integer tensors differ"
-        return
-    assert isinstance(got, Mapping) and isinstance(want, Mapping), f"{what}: {type(got)} vs {type(want)}"
-    assert sorted(got) == sorted(want), f"{what}: keys {sorted(got)} != {sorted(want)}"
-    for key in want:
-        assert_close(got[key], want[key], f"{what}[{key}]")
 
 
 def stagewise(

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
+from stage_checks import assert_close
 
 import ppcompile
 from ppcompile.models import ModelConfig, PPStage, make_batch, make_forward_context, set_forward_context
 from ppcompile.runtime.stage_runtime import StageRuntime
-
-ATOL = 1e-5
 
 
 def run(stage: PPStage, fn: Any, cfg: ModelConfig, rank: int, pp: int, n: int) -> Any:
@@ -21,15 +19,6 @@ def run(stage: PPStage, fn: Any, cfg: ModelConfig, rank: int, pp: int, n: int) -
     kw = {"input_ids": ids} if rank == 0 else {"input_ids": None, "pp_proxy_tensors": proxies}
     with torch.inference_mode(), set_forward_context(make_forward_context([n], cfg, layers)):
         return fn(positions=pos, **kw)
-
-
-def assert_close(got: Any, want: Any, what: str) -> None:
-    if isinstance(want, torch.Tensor):
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
-        return
-    assert isinstance(got, Mapping) and sorted(got) == sorted(want), what
-    for key in want:
-        assert_close(got[key], want[key], f"{what}[{key}]")
 
 
 def check(stage: PPStage, compiled: Any, cfg: ModelConfig, rank: int, pp: int, n: int) -> None:
