@@ -97,7 +97,7 @@ def test_the_keys_are_the_ones_lowering_reads() -> None:
 
 # Files that may still spell a fact's key: node_facts itself; lowering/program.py until it reads through
 # the accessors; regions.py, whose ANNOTATION_KEY is the same string in another dict (meta["custom"]).
-KEYS_SPELLED_IN = {"analysis/node_facts.py", "lowering/program.py", "regions.py"}
+KEYS_SPELLED_IN = {"analysis/node_facts.py", "regions.py"}
 
 
 def test_the_keys_are_spelled_only_in_node_facts() -> None:
