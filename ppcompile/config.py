@@ -12,10 +12,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from ppcompile import envs
 
 __all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PPBreakableConfig",
-           "default_capture_ladder", "graph_path_mode"]
+           "default_capture_ladder", "graph_path_mode", "live_mode_reason", "resolve_graph_mode"]
 
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
 """Last size where the seed engine change measured graphs ahead of eager on a PP stage."""
@@ -36,6 +38,30 @@ def graph_path_mode(device_type: str) -> str:
     emulation elsewhere. For what shows or measures the graph path (the demo, ``dump``, the gain probe,
     the benchmarks); serving keeps ``"auto"``, which runs CPU stages at the live size instead."""
     return "cuda" if device_type == "cuda" else "emulate"
+
+
+def resolve_graph_mode(graph_mode: str, on_cuda: bool) -> str:
+    """The graph mode a stage serves with, for ``graph_mode`` (an option) and whether its tensors are on
+    a CUDA device: ``"auto"`` picks the fastest correct one, CUDA graphs for CUDA tensors (with a CUDA
+    runtime) and otherwise the live-size path ``"none"`` (on CPU there are no launches to save, and the
+    emulation of graphs only adds copy-in, padding and copies: docs/benchmarks.md); ``"cuda"`` off CUDA
+    is refused."""
+    if graph_mode == "auto":
+        return "cuda" if on_cuda and torch.cuda.is_available() else "none"
+    if graph_mode == "cuda" and not on_cuda:
+        raise ValueError(
+            "pp_breakable option 'graph_mode': got 'cuda' but the stage's tensors are not on a CUDA "
+            "device; on CPU use 'auto' (live-size segments, the fastest there) or 'emulate' (graph semantics)"
+        )
+    return graph_mode
+
+
+def live_mode_reason(graph_mode: str) -> str:
+    """Why a stage whose option is ``graph_mode`` serves at the live size (it resolved to ``"none"``)."""
+    asked = ("graph_mode='none'" if graph_mode == "none" else
+             "graph_mode='auto' off CUDA resolves to graph_mode='none' (faster on CPU than emulated "
+             "graphs; 'emulate' runs the graph path)")
+    return f"{asked}: the segments run at the live token count, with no graphs, padding or static buffers"
 
 
 _DENSE_LIMIT = 32

@@ -394,7 +394,7 @@ class StrictCuda:
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: api.capturing is not None)
         for name in ("tolist", "numpy"):
             mp.setattr(torch.Tensor, name, _host_read(api, name))
-        mp.setattr(backend, "_resolve_graph_mode", lambda config, example_inputs: "cuda")
+        mp.setattr(backend, "resolve_graph_mode", lambda graph_mode, on_cuda: "cuda")
 
 
 @pytest.fixture

@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS, PPBreakableConfig, graph_path_mode
+from ppcompile.config import (
+    DEFAULT_MAX_CAPTURE_TOKENS,
+    PPBreakableConfig,
+    graph_path_mode,
+    live_mode_reason,
+    resolve_graph_mode,
+)
 
 FIELDS = [f.name for f in dataclasses.fields(PPBreakableConfig)]
 
@@ -175,3 +181,46 @@ def test_dump_dir_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_graph_path_mode_is_cuda_graphs_on_cuda_and_their_emulation_elsewhere() -> None:
     assert graph_path_mode("cuda") == "cuda"
     assert graph_path_mode("cpu") == graph_path_mode("meta") == "emulate"
+
+
+# ------------------------------------------------------------------ graph_mode="auto" and its resolution
+# The backend picks the fastest correct mode for the device the stage runs on: CUDA graphs for CUDA
+# tensors; anywhere else the live-size path ("none"), which on CPU beats the emulation of graphs (copy-in,
+# padding and output copies with no launches to save; docs/benchmarks.md). The end-to-end checks are
+# tests/runtime/test_stage_runtime.py (auto on CPU serves like "none") and
+# tests/runtime/test_cuda_graphs_gpu.py (auto on a GPU captures CUDA graphs).
+def test_auto_is_the_live_path_on_cpu() -> None:
+    assert resolve_graph_mode("auto", on_cuda=False) == "none"
+
+
+def test_auto_is_cuda_graphs_for_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_graph_mode("auto", on_cuda=True) == "cuda"
+
+
+def test_auto_is_the_live_path_for_cpu_tensors_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_graph_mode("auto", on_cuda=False) == "none"
+
+
+def test_auto_is_the_live_path_when_cuda_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_graph_mode("auto", on_cuda=True) == "none"
+
+
+@pytest.mark.parametrize("mode", ["emulate", "eager", "none"])
+def test_an_explicit_mode_is_kept_on_any_device(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_graph_mode(mode, on_cuda=False) == mode
+    assert resolve_graph_mode(mode, on_cuda=True) == mode
+
+
+def test_explicit_cuda_on_cpu_tensors_names_the_modes_that_work() -> None:
+    with pytest.raises(ValueError, match="not on a CUDA device") as info:
+        resolve_graph_mode("cuda", on_cuda=False)
+    assert "'auto'" in str(info.value) and "'emulate'" in str(info.value)
+
+
+def test_the_live_mode_reason_says_what_was_asked() -> None:
+    assert live_mode_reason("none").startswith("graph_mode='none':")
+    assert "'auto' off CUDA resolves to graph_mode='none'" in live_mode_reason("auto")

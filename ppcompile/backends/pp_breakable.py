@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ppcompile import torch_internals
-from ppcompile.config import PPBreakableConfig
+from ppcompile.config import PPBreakableConfig, resolve_graph_mode
 from ppcompile.counters import counters
 from ppcompile.debug.capture import CaptureRecorder
 from ppcompile.debug.report import on_stage_compiled, publish_report
@@ -50,20 +50,8 @@ def _graph_name() -> str:
     return f"stage_graph_{suffix}"
 
 
-def _resolve_graph_mode(config: PPBreakableConfig, example_inputs: list[Any]) -> str:
-    """The graph mode the stage serves with: ``"auto"`` picks the fastest correct one for the device,
-    CUDA graphs for CUDA tensors and otherwise the live-size path (``"none"``): on CPU there are no launches
-    to save, and the emulation of graphs only adds copy-in, padding and copies (docs/benchmarks.md)."""
-    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-    mode = config.graph_mode
-    if mode == "auto":
-        return "cuda" if on_cuda and torch.cuda.is_available() else "none"
-    if mode == "cuda" and not on_cuda:
-        raise ValueError(
-            "pp_breakable option 'graph_mode': got 'cuda' but the stage's tensors are not on a CUDA "
-            "device; on CPU use 'auto' (live-size segments, the fastest there) or 'emulate' (graph semantics)"
-        )
-    return mode
+def _on_cuda(example_inputs: list[Any]) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
 
 
 def pp_breakable(
@@ -81,7 +69,7 @@ def pp_breakable(
     counters.backend_compiles += 1  # after the passes: a re-trace a pass asked for is not a compile
     compiled, segment_compiles = compile_segments(split, ctx)
     stage = lower_stage(
-        name, split, ctx, compiled, config, _resolve_graph_mode(config, example_inputs),
+        name, split, ctx, compiled, config, resolve_graph_mode(config.graph_mode, _on_cuda(example_inputs)),
         skip_size_asserts=segments_skip_size_asserts(config),
         segment_compiles=tuple(segment_compiles),
         compile_times=compile_times(dynamo_seconds, ctx, segment_compiles),

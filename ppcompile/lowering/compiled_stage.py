@@ -16,7 +16,7 @@ from typing import Any
 import sympy
 import torch
 
-from ppcompile.config import PPBreakableConfig
+from ppcompile.config import PPBreakableConfig, live_mode_reason
 from ppcompile.lowering.program import build_program
 from ppcompile.passes.context import PassContext, StaticInputPlan
 from ppcompile.records import InputKind, SegmentCompile
@@ -76,10 +76,7 @@ def _eager_reason(
     if not ctx.eligible:
         return ctx.ineligible_reason
     if graph_mode == "none":
-        asked = ("graph_mode='none'" if config.graph_mode == "none" else
-                 "graph_mode='auto' off CUDA resolves to graph_mode='none' (faster on CPU than emulated "
-                 "graphs; 'emulate' runs the graph path)")
-        return f"{asked}: the segments run at the live token count, with no graphs, padding or static buffers"
+        return live_mode_reason(config.graph_mode)
     readable = (InputKind.MODULE_STATE, InputKind.TENSOR, InputKind.CONSTANT_SCALAR)
     for st in program.graph_steps:
         for r in st.args:
