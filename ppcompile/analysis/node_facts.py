@@ -36,6 +36,9 @@ meta key (accessor)     what it says                          written by        
 ``pp_static_buffer``    the static buffer of a graph-read     lift_static_inputs     lowering.program
 (``STATIC_BUFFER``)     live input (a placeholder) or of a
                         break output (a bridge)
+``pp_written_args``     positions of a ``call_module``        lift_static_inputs     lowering.program
+(``WRITTEN_ARGS``)      node's arguments its segment writes
+                        in place (``analysis/mutation.py``)
 ======================  ====================================  =====================  ======================
 
 Not a node fact: ``pp_proxy_tensors`` is the stage's keyword argument, and the ``pp_token_local`` key
@@ -63,6 +66,7 @@ __all__ = [
     "STATIC_BUFFER",
     "TOKEN_DIMS",
     "TOKEN_LOCAL",
+    "WRITTEN_ARGS",
     "NodeFact",
     "TokenDims",
     "token_dim_sizes",
@@ -116,11 +120,12 @@ PADDING_UNSAFE: NodeFact[str] = NodeFact("pp_unsafe", "check_padding_safety")
 CAPTURE_UNSAFE: NodeFact[str] = NodeFact("pp_capture_unsafe", "check_capture_safety")
 SEGMENT: NodeFact[Segment] = NodeFact("pp_segment", "split_at_breaks")
 STATIC_BUFFER: NodeFact[StaticBuffer] = NodeFact("pp_static_buffer", "lift_static_inputs")
+WRITTEN_ARGS: NodeFact[tuple[int, ...]] = NodeFact("pp_written_args", "lift_static_inputs")
 
 # Every fact, in the order the passes first write them.
 FACTS: tuple[NodeFact[Any], ...] = (
     TOKEN_DIMS, SIZE_EXPR, LAYER_ID, TOKEN_LOCAL, EAGER_REGION, PADDING_UNSAFE, CAPTURE_UNSAFE, SEGMENT,
-    STATIC_BUFFER,
+    STATIC_BUFFER, WRITTEN_ARGS,
 )
 
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
+from ppcompile.analysis.mutation import VIEW_OPS
 from ppcompile.analysis.node_facts import EAGER_REGION, TOKEN_LOCAL
 from ppcompile.analysis.op_matching import op_name
-from ppcompile.analysis.token_locality import VIEW_OPS
 from ppcompile.records import BreakReason
 from ppcompile.symbolic import example_value
 

@@ -18,17 +18,15 @@ from typing import Any
 import torch
 
 from ppcompile.analysis.node_facts import token_dim_sizes
-from ppcompile.analysis.op_matching import op_name, resolve_op
+from ppcompile.analysis.op_matching import resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
-from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves, written_arguments
+from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves
 
 __all__ = [
     "RULES",
-    "VIEW_OPS",
     "is_registered_token_local",
     "register_token_local_op",
     "rule_for",
-    "written_input",
 ]
 
 Rule = Callable[[torch.fx.Node], "str | None"]
@@ -294,63 +292,6 @@ RULES.update({"linear": linear, "matmul": matmul, "mm": matmul, "bmm": matmul, "
 # stack adds a new dim and keeps each input's token dims: token-local like a factory of its inputs.
 
 _TORCH_MODULES = ("torch", "_operator", "operator", "builtins", "math")
-
-# Ops whose output aliases their first argument (a view of it, or the tensor itself).
-VIEW_OPS = frozenset((
-    "getitem", "view", "reshape", "narrow", "select", "transpose", "permute", "t", "unsqueeze", "squeeze",
-    "expand", "expand_as", "as_strided", "diagonal", "unflatten", "flatten", "view_as", "reshape_as",
-    "movedim", "swapaxes", "swapdims", "split", "chunk", "tensor_split", "unbind", "contiguous", "detach",
-))
-_IN_PLACE_FUNCTIONS = frozenset(("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "ipow",
-                                 "iand", "ior", "ixor", "imod"))
-
-
-def written_input(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The graph input that an in-place op writes into (through any chain of views), or None.
-
-    A graph replays its in-place writes for all ``b`` rows: into a module buffer (a KV cache written
-    by token-major slot indices, a ``cache[:n]`` view) that writes padded rows too; into a lifted live
-    input it writes the static copy, which the runtime reads back (``Step.writes_buffers``).
-    """
-    name = op_name(node)
-    in_place = (node.op == "call_method" and name.endswith("_") and not name.endswith("__")) or (
-        node.op == "call_function" and name in _IN_PLACE_FUNCTIONS
-    )
-    if not in_place or not node.args:
-        return None
-    return _base_input(node.args[0])
-
-
-def _base_input(value: Any) -> torch.fx.Node | None:
-    """The graph input ``value`` views (through any chain of views), or None."""
-    while isinstance(value, torch.fx.Node) and value.op != "placeholder":
-        viewing = value.op in ("call_function", "call_method") and op_name(value) in VIEW_OPS
-        if not viewing or not value.args:
-            return None
-        value = value.args[0]
-    return value if isinstance(value, torch.fx.Node) else None
-
-
-def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The graph inputs ``node`` writes in place, through views: an in-place method's ``self``
-    (:func:`written_input`), every argument an op's schema marks as written (an out-variant op's
-    ``out``), and the ``out=`` of a torch function (``torch.add(x, 1, out=r)``, which Dynamo keeps)."""
-    written = written_input(node)
-    values: list[Any] = [] if written is None else [written]
-    target = node.target
-    if isinstance(target, OpOverloadPacket) and target.overloads() == ["default"]:
-        target = target.default  # a custom op called as ``torch.ops.ns.op(...)``
-    if node.op == "call_function" and isinstance(target, OpOverload):
-        for i, name in written_arguments(target):
-            values.append(node.args[i] if i < len(node.args) else node.kwargs.get(name))
-    elif node.op == "call_function":
-        values.extend(tree_leaves(node.kwargs.get("out")))
-    found: list[torch.fx.Node] = []
-    for base in map(_base_input, values):
-        if base is not None and base not in found:
-            found.append(base)
-    return found
-
 
 def rule_for(node: torch.fx.Node) -> Rule | None:
     """The rule for a node's op: by method name, or by name for torch/operator functions."""

@@ -19,7 +19,6 @@ import sympy
 import torch
 
 from ppcompile.analysis import node_facts
-from ppcompile.analysis.token_locality import mutated_inputs
 from ppcompile.records import Segment
 from ppcompile.runtime.program import BreakStep, CopyPoint, GraphStep, Program, Ref, SegmentFn, Step
 from ppcompile.runtime.static_buffers import BufferPlan, TensorLayout, follows_token_count
@@ -55,14 +54,6 @@ def _output_sizes(out: torch.fx.Node, multi: bool) -> tuple[tuple[SizeFn, ...] |
 def _output_layouts(out: torch.fx.Node, multi: bool) -> tuple[TensorLayout | None, ...]:
     values = _output_values(out, multi)
     return tuple(TensorLayout.of(ev) if isinstance(ev, torch.Tensor) else None for ev in values)
-
-
-def _written_args(submod: torch.fx.GraphModule) -> set[int]:
-    """Positions of ``submod``'s inputs that its ops write in place (through views)."""
-    placeholders = list(submod.graph.find_nodes(op="placeholder"))
-    written = {p for node in submod.graph.nodes if node.op in ("call_function", "call_method")
-               for p in mutated_inputs(node)}
-    return {i for i, p in enumerate(placeholders) if p in written}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +153,7 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
             index=len(traced), segment=segment, fn=fn if multi else _unwrap_single(fn), args=args,
             out_slots=tuple(out_slots), out_sizes=_output_sizes(out, multi),
             out_layouts=_output_layouts(out, multi), call=fn, single_output=not multi,
-            written=tuple(args[i].slot for i in sorted(_written_args(getattr(split, segment.name)))),
+            written=tuple(args[i].slot for i in node_facts.WRITTEN_ARGS.get(node) or ()),
         ))
 
     (output,) = split.graph.find_nodes(op="output")

@@ -35,10 +35,11 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.analysis.mutation import mutated_inputs
 from ppcompile.analysis.node_facts import PADDING_UNSAFE, TOKEN_LOCAL, token_dims
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name, resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
-from ppcompile.analysis.token_locality import is_registered_token_local, mutated_inputs, rule_for
+from ppcompile.analysis.token_locality import is_registered_token_local, rule_for
 from ppcompile.errors import source_line
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind

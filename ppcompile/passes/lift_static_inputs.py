@@ -20,6 +20,7 @@ After (same code; plans recorded)::
     ctx.static_inputs == [StaticInputPlan(input_index=1, buffer=StaticBuffer("L_x_", "input", (64, 64), ...))]
     L_x_.meta["pp_static_buffer"]     == the same StaticBuffer("L_x_", "input", ...)
     submod_1.meta["pp_static_buffer"] == StaticBuffer("submod_1", "bridge", (64, 64), ...)  # a bridge
+    submod_0.meta["pp_written_args"] == ()   # per segment call: the arguments it writes in place
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import logging
 
 import torch
 
-from ppcompile.analysis.node_facts import SEGMENT, STATIC_BUFFER
+from ppcompile.analysis.mutation import written_arguments_of
+from ppcompile.analysis.node_facts import SEGMENT, STATIC_BUFFER, WRITTEN_ARGS
 from ppcompile.passes.context import PassContext, PassResult, StaticInputPlan
 from ppcompile.records import InputKind, StaticBuffer
 from ppcompile.symbolic import SizeFn, example_value, shape_exprs
@@ -60,7 +62,10 @@ def _buffer_for(node: torch.fx.Node, role: str, ctx: PassContext, cap: int) -> S
 
 def lift_static_inputs(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Plans static buffers for graph-read live inputs (``ctx.static_inputs``) and bridges (break outputs
-    graph segments read); records each on its node (``STATIC_BUFFER``), where lowering reads them."""
+    graph segments read); records each on its node (``STATIC_BUFFER``), and on each segment call which
+    of its arguments the segment writes in place (``WRITTEN_ARGS``), where lowering reads them."""
+    for node in gm.graph.find_nodes(op="call_module"):
+        WRITTEN_ARGS.set(node, written_arguments_of(getattr(gm, str(node.target))))
     if ctx.is_static:
         return PassResult(gm, modified=False)
     cap = ctx.config.cap

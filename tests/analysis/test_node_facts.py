@@ -21,6 +21,7 @@ from ppcompile.analysis.node_facts import (
     STATIC_BUFFER,
     TOKEN_DIMS,
     TOKEN_LOCAL,
+    WRITTEN_ARGS,
     NodeFact,
     token_dim_sizes,
     token_dims,
@@ -39,6 +40,7 @@ SAMPLES: list[tuple[NodeFact[Any], Any]] = [
     (CAPTURE_UNSAFE, "its implementation reads a device value on the host (a sync)"),
     (SEGMENT, Segment("submod_1", "break", 3)),
     (STATIC_BUFFER, StaticBuffer("l_x_", "input", (64, 8), torch.float32, torch.device("cpu"), (0,))),
+    (WRITTEN_ARGS, (0, 2)),
 ]
 
 
@@ -79,9 +81,8 @@ def test_token_dims_default_to_empty() -> None:
     assert TOKEN_DIMS.has(node) and token_dims(node) == ()
 
 
-def test_the_keys_are_the_ones_lowering_reads() -> None:
-    """``lowering/program.py`` reads ``pp_segment``, ``pp_token_dims``, ``pp_size_expr`` and
-    ``pp_static_buffer`` by their raw keys: the accessors must write exactly those."""
+def test_each_key_and_its_writer() -> None:
+    """The keys are what dumps show in node meta, and each names the pass that writes it."""
     assert {f.key: f.writer for f in FACTS} == {
         "pp_token_dims": "find_token_dims",
         "pp_size_expr": "find_token_dims",
@@ -92,11 +93,12 @@ def test_the_keys_are_the_ones_lowering_reads() -> None:
         "pp_capture_unsafe": "check_capture_safety",
         "pp_segment": "split_at_breaks",
         "pp_static_buffer": "lift_static_inputs",
+        "pp_written_args": "lift_static_inputs",
     }
 
 
-# Files that may still spell a fact's key: node_facts itself; lowering/program.py until it reads through
-# the accessors; regions.py, whose ANNOTATION_KEY is the same string in another dict (meta["custom"]).
+# Files that may spell a fact's key: node_facts itself; regions.py, whose ANNOTATION_KEY is the same string
+# in another dict (meta["custom"]).
 KEYS_SPELLED_IN = {"analysis/node_facts.py", "regions.py"}
 
 
