@@ -30,11 +30,11 @@ def test_every_token_count_matches_eager_with_one_compile_per_distinct_segment()
                   replays_by_bucket={16: 1}):
         check(stage, compiled, CFG, 1, PP, 16)  # a bucket exactly
     runtime = graphed_runtime()
-    records = runtime.segment_compiles
+    records = runtime.compiled.record.segment_compiles
     assert [r.reused for r in records] == [False, False, True, False]
     assert records[1].key == records[2].key and len({r.key for r in records}) == UNIQUE
     assert all(r.seconds > 0 for r in records if not r.reused)
-    times = runtime.compile_times
+    times = runtime.compiled.record.compile_times
     assert times["segment_compile"] == sum(r.seconds for r in records) > 0
     assert {"passes", "pass.split_at_breaks"} <= set(times)
     # Every other bucket, bucket + 1 and above the cap: no new compile of any kind.
@@ -87,13 +87,13 @@ def test_inductor_config_reaches_every_segment_compile_and_keys_the_sharing(
         check(stages[0], torch.compile(stages[0], backend="pp_breakable", dynamic=True, options=patched),
               CFG, 1, PP, 16)
     assert seen == [{"size_asserts": True, "epilogue_fusion": False}] * UNIQUE
-    patched_keys = [r.key for r in graphed_runtime().segment_compiles]
+    patched_keys = [r.key for r in graphed_runtime().compiled.record.segment_compiles]
     # Other settings are other artifacts: nothing is shared with the patched compiles.
     with ppcompile.counters.expect(segment_compiles=UNIQUE):
         check(stages[1], torch.compile(stages[1], backend="pp_breakable", dynamic=True, options=OPTIONS),
               CFG, 1, PP, 16)
     assert seen[UNIQUE:] == [dict(SEGMENT_INDUCTOR_DEFAULTS)] * UNIQUE  # ppcompile's own defaults
-    plain_keys = [r.key for r in graphed_runtime().segment_compiles]
+    plain_keys = [r.key for r in graphed_runtime().compiled.record.segment_compiles]
     assert not set(patched_keys) & set(plain_keys)
 
 
@@ -103,10 +103,10 @@ def test_identical_stages_share_artifacts_and_bind_their_own_weights() -> None:
     c = ppcompile.counters
     with c.expect(segment_compiles=UNIQUE):
         check(stages[0], compiled[0], CFG, 1, PP, 24)
-    first = graphed_runtime().segment_compiles
+    first = graphed_runtime().compiled.record.segment_compiles
     with c.expect(backend_compiles=1, segment_compiles=0, segment_cache_hits=GRAPH_SEGMENTS):
         check(stages[1], compiled[1], CFG, 2, PP, 24)
-    second = graphed_runtime().segment_compiles
+    second = graphed_runtime().compiled.record.segment_compiles
     assert [r.key for r in first] == [r.key for r in second]
     assert all(r.reused and r.seconds == 0 for r in second)
     for n in (5, 64):  # both stages still right after each other's calls
@@ -120,7 +120,7 @@ def test_dedup_off_compiles_every_graph_segment() -> None:
     compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=options)
     with ppcompile.counters.expect(segment_compiles=GRAPH_SEGMENTS, segment_cache_hits=0):
         check(stage, compiled, CFG, 1, PP, 16)
-    records = graphed_runtime().segment_compiles
+    records = graphed_runtime().compiled.record.segment_compiles
     assert not any(r.reused for r in records)
     assert records[1].key == records[2].key  # the same structure, compiled twice on request
 

@@ -134,20 +134,20 @@ def test_an_interrupted_capture_keeps_nothing_and_the_next_call_captures_again(
         assert only_state(rt).failed is None
 
 
-def test_an_interrupt_inside_a_graph_segment_during_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interrupt_inside_a_graph_segment_during_replay() -> None:
     m = Stage()
     c = compile_stage(m)
-    with torch.no_grad():
-        check(c, m, *inputs(9))
-        state = only_state(runtime())
-        real = state.executor.replay
+
+    def interrupting(category: str, fn: Any) -> Any:
         def interrupted(key: tuple[int, int], args: Any) -> Any:
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(state.executor, "replay", interrupted)
-        with pytest.raises(KeyboardInterrupt) as info:
+        return interrupted if category == "graph replays" else fn
+
+    with torch.no_grad():
+        check(c, m, *inputs(9))
+        with runtime().instrumented(interrupting), pytest.raises(KeyboardInterrupt) as info:
             c(*inputs(12))
         assert "segment submod_0" in _notes(info.value)
-        monkeypatch.setattr(state.executor, "replay", real)
         check(c, m, *inputs(12, seed=3))
         check(c, m, *inputs(9, seed=4))
