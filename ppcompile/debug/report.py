@@ -79,7 +79,7 @@ def runtime_code(runtime: StageRuntime) -> str:
     parts = [f"# ppcompile: code generated for each call of {runtime.name} (it calls the segments of "
              "split_module.py; call_<i> is step i)", "",
              "# live path: graph_mode='none', above the capture cap, autograd on, a stage never graphed",
-             str(getattr(runtime._live_forward, "source", "")).rstrip()]
+             str(getattr(runtime.live_forward, "source", "")).rstrip()]
     executor = EXECUTORS.get(runtime.graph_mode)
     if executor is not None:
         pass_args = replay_passes_args(executor.binds_inputs, runtime.config.debug)

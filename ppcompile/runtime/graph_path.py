@@ -40,15 +40,21 @@ def _copy_category(point: CopyPoint) -> str:
 class GraphPath:
     """One instance's graph path: ``path(args, env_n, env_b, n, b)`` serves a call at bucket ``b``."""
 
-    __slots__ = ("code", "copiers", "fresh_table", "replay", "tables")
+    __slots__ = ("code", "copiers", "fresh_table", "pass_args", "replay", "tables")
 
     def __init__(self, code: GraphForward, tables: Mapping[int, list[Any]], replay: Callable[..., Any],
-                 copiers: Sequence[Copier | None] | None, fresh_table: bool) -> None:
+                 copiers: Sequence[Copier | None] | None, fresh_table: bool, pass_args: bool = False) -> None:
         self.code = code  # the generated function; its source is ``code.source``
         self.tables = tables  # bucket -> slot table (the instance's, filled as buckets are captured)
         self.replay = replay
         self.copiers = copiers
         self.fresh_table = fresh_table  # a non-binding executor writes each call's outputs into a copy
+        self.pass_args = pass_args  # replays are handed their arguments
+
+    def describe(self) -> str:
+        """Which variant of the generated code this is, as ``generated_code()`` names it."""
+        fused = ", fused copies" if self.copiers is not None else ""
+        return f"binds inputs {not self.fresh_table}, passes args {self.pass_args}{fused}"
 
     def __call__(self, args: Sequence[Any], env_n: Mapping[sympy.Symbol, int],
                  env_b: Mapping[sympy.Symbol, int], n: int, b: int) -> tuple[Any, ...]:
@@ -65,7 +71,7 @@ def bind_graph_path(program: Program, stage: str, tables: Mapping[int, list[Any]
     or None for per-tensor torch ops)."""
     pass_args = replay_passes_args(binds_inputs, debug)
     code = make_graph_forward(program, stage, binds_inputs, pass_args, copies, fused=copiers is not None)
-    return GraphPath(code, tables, replay, copiers, fresh_table=not binds_inputs)
+    return GraphPath(code, tables, replay, copiers, fresh_table=not binds_inputs, pass_args=pass_args)
 
 
 def instrumented_path(path: GraphPath, program: Program, stage: str, wrap: Wrap, binds_inputs: bool,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import sympy
@@ -68,7 +69,7 @@ class StageRuntime(StageInspection):
         self._observer = observer or NO_OBSERVER
         self._states: dict[tuple[Any, ...], StageInstance] = {}
         self._capture_runs: list[CaptureRecord] = []  # every instance's capture runs, oldest first
-        self._live_forward = make_live_forward(compiled.program, compiled.name, compiled.live_checks)
+        self.live_forward = make_live_forward(compiled.program, compiled.name, compiled.live_checks)
         self._wrap: Wrap | None = None  # instrumented(): the hook its block wraps graph paths with
         self._owned_slots = frozenset(s for st in compiled.program.graph_steps for s in st.live_views)
         self._warned: set[str] = set()
@@ -123,6 +124,32 @@ class StageRuntime(StageInspection):
     @property
     def split_module(self) -> torch.fx.GraphModule | None:
         return self.compiled.record.split_module
+
+    # ----------------------------------------------------------------------------------- state
+    def instances(self) -> tuple[StageInstance, ...]:
+        """The captured state of each module instance served so far, in order of first call (read-only:
+        buckets, buffers, static tensors)."""
+        return tuple(self._states.values())
+
+    def capture_records(self) -> list[CaptureRecord]:
+        """Every capture run so far (of any module instance), oldest first: time and memory per bucket
+        (``observer.CaptureRecord``)."""
+        return list(self._capture_runs)
+
+    @contextlib.contextmanager
+    def instrumented(self, wrap: Wrap) -> Iterator[None]:
+        """While open, graph-path calls run with their parts wrapped by ``wrap(category, fn)``: graph
+        replays as ``"graph replays"``, break segments as ``"break segments"``, copies of live inputs into
+        static buffers as ``"copy-in"`` and of break outputs into bridges as ``"bridge copies"`` (for
+        profilers and benchmarks: ``bench/overhead.py``, ``bench/launches.py``). Each instance binds the
+        wrapped path at its first call inside a block and keeps it for later blocks with the same
+        ``wrap`` (``graph_path.py``); calls outside run the plain path. Not for use while other threads
+        call the stage."""
+        saved, self._wrap = self._wrap, wrap
+        try:
+            yield
+        finally:
+            self._wrap = saved
 
     def num_tokens(self, args: tuple[Any, ...]) -> int:
         """The live token count of a call."""
@@ -216,7 +243,7 @@ class StageRuntime(StageInspection):
         """Every segment on live tensors: no static buffers, no graphs (``codegen.py``)."""
         counters.eager_runs += 1
         env = self._env(args, self.num_tokens(args)) if self.token_symbol is not None else self._env(args, 0)
-        return self._live_forward(args, env)
+        return self.live_forward(args, env)
 
     def _run_graphs(self, state: StageInstance, args: tuple[Any, ...], n: int, b: int) -> tuple[Any, ...]:
         compiled = self.compiled
