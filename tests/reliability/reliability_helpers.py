@@ -60,10 +60,14 @@ class FeedbackStage(nn.Module):
         return y * 2 + z, y
 
 
+OPTIONS: dict[str, Any] = {"capture_sizes": SIZES, "split_ops": ["pptest_rel::mixer"],
+                           "graph_mode": "emulate"}
+
+
 def compile_stage(m: nn.Module, **options: Any) -> Any:
     """``m`` under ``pp_breakable``, on the graph path's emulation unless ``options`` name another graph
     mode: the faults, bad inputs and stale outputs checked here are those of graphs and static buffers."""
-    opts = {"capture_sizes": SIZES, "split_ops": ["pptest_rel::mixer"], "graph_mode": "emulate", **options}
+    opts = {**OPTIONS, **options}
     return torch.compile(m, backend="pp_breakable", dynamic=True, fullgraph=True, options=opts)
 
 

@@ -1,7 +1,8 @@
-"""Runtimes built from a changed plan, for tests that show a plan fact matters (a runtime without the
-refresh, without the traced layout, ...) without patching production code: compile once, take the
-``CompiledStage``, change its program with ``dataclasses.replace``, and serve the recorded call with a
-new ``StageRuntime``."""
+"""Runtimes built from a changed plan, for tests that show a plan fact or a runtime step matters (a
+runtime without the refresh, without the traced layout, without the aliased-input copy) without
+patching production code: compile once recording the calls, then take the ``CompiledStage``, change its
+program with ``dataclasses.replace`` and serve the recorded call with a new ``StageRuntime``, or serve
+it with an instance's bound graph path alone."""
 
 from __future__ import annotations
 
@@ -52,10 +53,26 @@ def _copied(args: tuple[Any, ...], runtime: StageRuntime) -> tuple[Any, ...]:
     return tuple(a.clone() if i in live else a for i, a in enumerate(args))
 
 
-def compile_recorded(module: torch.nn.Module, options: dict[str, Any]) -> tuple[Any, RecordedStage]:
-    """``torch.compile(module)`` with the ``pp_breakable`` backend and ``options``, recording its calls."""
+def compile_recorded(module: torch.nn.Module, options: dict[str, Any],
+                     **compile_kwargs: Any) -> tuple[Any, RecordedStage]:
+    """``torch.compile(module, **compile_kwargs)`` with the ``pp_breakable`` backend and ``options``,
+    recording its calls."""
     recorded = RecordedStage()
-    return torch.compile(module, backend=recorded.backend(options)), recorded
+    return torch.compile(module, backend=recorded.backend(options), **compile_kwargs), recorded
+
+
+def graph_path_call(runtime: StageRuntime, args: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+    """``args`` (a recorded call's, ``n`` live tokens) served by the bound graph path of ``runtime``'s
+    first instance alone: no input check, no aliased-input copy, no output copies (what the runtime adds
+    around it)."""
+    compiled = runtime.compiled
+    assert compiled.token_symbol is not None
+    b = runtime.plan.bucket(n)
+    assert b is not None, f"{n} tokens take no bucket"
+    env_n = {e: int(args[i]) for i, e in compiled.symbol_slots}
+    env_n[compiled.token_symbol] = n
+    env_b = {**env_n, compiled.token_symbol: b}
+    return runtime.instances()[0].forward(args, env_n, env_b, n, b)
 
 
 def with_program(runtime: StageRuntime, program: Program) -> StageRuntime:
