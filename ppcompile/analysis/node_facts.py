@@ -69,6 +69,7 @@ __all__ = [
     "WRITTEN_ARGS",
     "NodeFact",
     "TokenDims",
+    "segments",
     "token_dim_sizes",
     "token_dims",
 ]
@@ -127,6 +128,11 @@ FACTS: tuple[NodeFact[Any], ...] = (
     TOKEN_DIMS, SIZE_EXPR, LAYER_ID, TOKEN_LOCAL, EAGER_REGION, PADDING_UNSAFE, CAPTURE_UNSAFE, SEGMENT,
     STATIC_BUFFER, WRITTEN_ARGS,
 )
+
+
+def segments(split: torch.fx.GraphModule) -> tuple[Segment, ...]:
+    """The segments of a split graph in execution order: the ``SEGMENT`` of each ``call_module`` node."""
+    return tuple(SEGMENT.of(node) for node in split.graph.find_nodes(op="call_module"))
 
 
 def token_dims(value: Any) -> TokenDims:

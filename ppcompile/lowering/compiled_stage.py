@@ -118,7 +118,7 @@ def lower_stage(
         graph_mode=graph_mode,
         program=program,
         plan=plan,
-        segments=tuple(ctx.segments),
+        segments=tuple(st.segment for st in program.steps),
         layer_ids=tuple(ctx.layer_ids),
         token_symbol=ctx.token_symbol,
         token_input=ctx.token_input,

@@ -9,7 +9,7 @@ import sympy
 import torch
 
 from ppcompile.config import PPBreakableConfig
-from ppcompile.records import InputKind, Segment, StaticBuffer
+from ppcompile.records import InputKind, StaticBuffer
 
 __all__ = ["PassContext", "PassResult", "StaticInputPlan"]
 
@@ -37,9 +37,9 @@ class PassContext:
 
     ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input`` and ``token_guards``;
     ``find_declared_regions`` fills ``token_local_regions``;
-    ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``split_at_breaks`` fills
-    ``segments``; ``lift_static_inputs`` fills ``static_inputs``. Facts about single nodes (token dims,
-    break verdicts, segments, static buffers and bridges) live on the nodes: ``analysis.node_facts``.
+    ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``lift_static_inputs`` fills
+    ``static_inputs``. Facts about single nodes (token dims, break verdicts, segments, static buffers and
+    bridges) live on the nodes: ``analysis.node_facts`` (``segments(split)`` lists the segments).
     Outputs are trimmed by their token dims, which ``lowering.build_program`` reads.
     """
 
@@ -56,7 +56,6 @@ class PassContext:
     layer_ids: tuple[int, ...] = ()
     eligible: bool = True
     ineligible_reason: str | None = None
-    segments: list[Segment] = dataclasses.field(default_factory=list)
     static_inputs: list[StaticInputPlan] = dataclasses.field(default_factory=list)
     pass_times: dict[str, float] = dataclasses.field(default_factory=dict)
 

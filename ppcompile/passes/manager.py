@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ppcompile.analysis.node_facts import SEGMENT
 from ppcompile.debug.dumps import reset_stage_dir, stage_dir, write_graph
 from ppcompile.debug.progress import Progress
 from ppcompile.passes.align_global_layers import align_global_layers
@@ -99,5 +100,9 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModu
         progress.advance(note=p.__name__)
     slowest = max(ctx.pass_times, key=ctx.pass_times.__getitem__, default="-")
     progress.finish(f"{len(PASSES)} passes in {progress.elapsed_s:.2f} s (slowest {slowest}: "
-                    f"{1e3 * ctx.pass_times.get(slowest, 0.0):.1f} ms), {len(ctx.segments)} segments")
+                    f"{1e3 * ctx.pass_times.get(slowest, 0.0):.1f} ms), {_segment_count(gm)} segments")
     return gm
+
+
+def _segment_count(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for node in gm.graph.find_nodes(op="call_module") if SEGMENT.has(node))

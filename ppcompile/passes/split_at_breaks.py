@@ -26,7 +26,7 @@ After::
         submod_2 = self.submod_2(submod_1)      # graph segment
         return (submod_2,)
 
-``ctx.segments`` lists them in order; each call node gets ``meta["pp_segment"]``.
+each call node gets ``meta["pp_segment"]`` (``node_facts.segments(split)`` lists them in order).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from ppcompile.analysis.node_facts import (
     SIZE_EXPR,
     TOKEN_DIMS,
     TOKEN_LOCAL,
+    segments,
 )
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name
 from ppcompile.analysis.partitions import atomic_regions, fold_tiny_graphs
@@ -148,7 +149,7 @@ def _annotate_outputs(split: torch.fx.GraphModule, call: torch.fx.Node, submod: 
 
 
 def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Splits ``gm`` into ``submod_<i>`` segments; fills ``ctx.segments``."""
+    """Splits ``gm`` into ``submod_<i>`` segments, each recorded on its call node (``SEGMENT``)."""
     attention = OpMatcher(always_split_ops())
     user = OpMatcher(ctx.config.split_ops)
     host = {p for p, kind in zip(gm.graph.find_nodes(op="placeholder"), ctx.input_kinds)
@@ -197,7 +198,6 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if (region := TOKEN_LOCAL.get(node)) is not None:
             declared.setdefault(index, {})[region] = None
     split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
-    ctx.segments = []
     for node in split.graph.find_nodes(op="call_module"):
         index = int(str(node.target).rsplit("_", 1)[1])
         submod = getattr(split, str(node.target))
@@ -215,9 +215,9 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             token_local_regions=tuple(declared.get(index, ())),
         )
         SEGMENT.set(node, segment)
-        ctx.segments.append(segment)
         _annotate_outputs(split, node, submod)
-    n_graph = sum(s.is_graph for s in ctx.segments)
+    made = segments(split)
+    n_graph = sum(s.is_graph for s in made)
     log.debug("%s: %d segments (%d graph, %d break; %d tiny graph segments folded)", ctx.graph_name,
-              len(ctx.segments), n_graph, len(ctx.segments) - n_graph, folded)
+              len(made), n_graph, len(made) - n_graph, folded)
     return PassResult(split, modified=True)

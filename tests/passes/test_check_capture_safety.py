@@ -12,7 +12,7 @@ from fx_helpers import dynamo_graph, make_ctx, run_until
 from torch import nn
 
 import ppcompile
-from ppcompile.analysis.node_facts import CAPTURE_UNSAFE
+from ppcompile.analysis.node_facts import CAPTURE_UNSAFE, segments
 from ppcompile.passes.check_capture_safety import check_capture_safety
 from ppcompile.passes.split_at_breaks import split_at_breaks
 from ppcompile.records import BreakKind
@@ -85,8 +85,7 @@ def _declared() -> Iterator[None]:
 def _segments(module: nn.Module) -> list[object]:
     gm, inputs = dynamo_graph(module, torch.randn(6, 8))
     ctx = make_ctx(gm, inputs, capture_sizes=SIZES, token_local_ops=["pptest_capture::device_scale"])
-    run_until(gm, ctx, split_at_breaks)
-    return ctx.segments
+    return list(segments(run_until(gm, ctx, split_at_breaks)))
 
 
 @pytest.mark.usefixtures("_declared")

@@ -6,7 +6,7 @@ import torch
 from attention_modules import Attn, attention_context
 from fx_helpers import bridges, dynamo_graph, make_ctx, run_until
 
-from ppcompile.analysis.node_facts import STATIC_BUFFER
+from ppcompile.analysis.node_facts import STATIC_BUFFER, segments
 from ppcompile.passes.lift_static_inputs import lift_static_inputs
 from ppcompile.records import InputKind
 
@@ -37,7 +37,7 @@ def test_live_input_gets_a_buffer_at_the_cap_and_break_outputs_get_bridges() -> 
         if "parameters" in p.name:
             assert not STATIC_BUFFER.has(p)
     # Each attention output is read by the next graph segment: one bridge per break.
-    breaks = [s.name for s in ctx.segments if not s.is_graph]
+    breaks = [s.name for s in segments(split) if not s.is_graph]
     assert sorted(bridges(split)) == sorted(breaks)
     for name, bridge in bridges(split).items():
         assert bridge.role == "bridge" and bridge.name == name

@@ -10,6 +10,7 @@ import torch
 from attention_modules import Attn, attention_context
 from fx_helpers import bridges, dynamo_graph, make_ctx
 
+from ppcompile.analysis.node_facts import segments
 from ppcompile.passes import manager
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.manager import PASSES, PassError, run_passes
@@ -36,7 +37,7 @@ def test_run_passes_fills_every_fact_and_times_every_pass() -> None:
     assert list(ctx.pass_times) == [p.__name__ for p in PASSES]
     assert all(t >= 0.0 for t in ctx.pass_times.values())
     assert ctx.token_symbol is not None and ctx.layer_ids == (0, 1)
-    assert len(ctx.segments) == 5 and len(ctx.static_inputs) == 1 and len(bridges(split)) == 2
+    assert len(segments(split)) == 5 and len(ctx.static_inputs) == 1 and len(bridges(split)) == 2
     assert split is not gm and len(list(split.graph.find_nodes(op="call_module"))) == 5
 
 

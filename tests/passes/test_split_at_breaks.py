@@ -12,7 +12,7 @@ from attention_modules import Attn, attention_context
 from fx_helpers import dynamo_graph, make_ctx, run_until
 
 import ppcompile
-from ppcompile.analysis.node_facts import SEGMENT, TOKEN_DIMS
+from ppcompile.analysis.node_facts import SEGMENT, TOKEN_DIMS, segments
 from ppcompile.passes.split_at_breaks import split_at_breaks
 from ppcompile.records import BreakKind, Segment
 
@@ -36,11 +36,12 @@ def _assert_same(got: Any, want: Any) -> None:
         torch.testing.assert_close(g, w)
 
 
-def _check_records(split: torch.fx.GraphModule, segments: list[Segment]) -> None:
+def _check_records(split: torch.fx.GraphModule) -> None:
+    """Each call node's segment names its submodule and counts its nodes."""
     calls = list(split.graph.find_nodes(op="call_module"))
-    assert [SEGMENT.of(c) for c in calls] == segments
-    assert [s.name for s in segments] == [str(c.target) for c in calls]
-    for s in segments:
+    recorded = [SEGMENT.of(c) for c in calls]
+    assert [s.name for s in recorded] == [str(c.target) for c in calls]
+    for s in recorded:
         sub = getattr(split, s.name)
         assert s.num_nodes == sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output"))
         assert (s.reason is None) == s.is_graph
@@ -50,12 +51,12 @@ def test_two_attention_calls_give_five_segments() -> None:
     m = Attn((4, 5))
     x = torch.randn(6, 8)
     with attention_context(6, (4, 5)):
-        split, ex, ctx = _split(m, x)
-    assert _kinds(ctx.segments) == "gbgbg"
-    _check_records(split, ctx.segments)
-    breaks = [s for s in ctx.segments if not s.is_graph]
+        split, ex, _ = _split(m, x)
+    assert _kinds(segments(split)) == "gbgbg"
+    _check_records(split)
+    breaks = [s for s in segments(split) if not s.is_graph]
     assert [s.layer_ids for s in breaks] == [(4,), (5,)]
-    assert all(s.layer_ids == () for s in ctx.segments if s.is_graph)
+    assert all(s.layer_ids == () for s in segments(split) if s.is_graph)
     for s, layer in zip(breaks, (4, 5)):
         assert s.reason is not None and s.reason.kind is BreakKind.ATTENTION
         assert s.reason.op == "ppcompile.attention"
@@ -63,7 +64,7 @@ def test_two_attention_calls_give_five_segments() -> None:
         assert s.num_nodes == 1
         (node,) = [n for n in getattr(split, s.name).graph.nodes if n.op == "call_function"]
         assert node.target is torch.ops.ppcompile.attention
-    graph_targets = [n.target for s in ctx.segments if s.is_graph
+    graph_targets = [n.target for s in segments(split) if s.is_graph
                      for n in getattr(split, s.name).graph.nodes if n.op == "call_function"]
     assert torch.ops.ppcompile.attention not in graph_targets
     with attention_context(6, (4, 5)), torch.no_grad():
@@ -77,10 +78,10 @@ def test_back_to_back_attention_calls_get_a_partition_each() -> None:
 
     q = torch.randn(5, 2, 4)
     with attention_context(5, (0, 1)):
-        split, ex, ctx = _split(f, q)
-        assert _kinds(ctx.segments) == "bb"
-        assert [s.layer_ids for s in ctx.segments] == [(0,), (1,)]
-        _check_records(split, ctx.segments)
+        split, ex, _ = _split(f, q)
+        assert _kinds(segments(split)) == "bb"
+        assert [s.layer_ids for s in segments(split)] == [(0,), (1,)]
+        _check_records(split)
         with torch.no_grad():
             _assert_same(split(*ex), (f(q),))
 
@@ -94,13 +95,13 @@ def test_scaled_dot_product_attention_is_a_break() -> None:
         return out.transpose(1, 2).reshape(-1, 8) * 2
 
     x = torch.randn(6, 8)
-    split, ex, ctx = _split(f, x)
-    assert _kinds(ctx.segments) == "gbg"
-    _check_records(split, ctx.segments)
-    reason = ctx.segments[1].reason
+    split, ex, _ = _split(f, x)
+    assert _kinds(segments(split)) == "gbg"
+    _check_records(split)
+    reason = segments(split)[1].reason
     assert reason is not None and reason.kind is BreakKind.ATTENTION
     assert "scaled_dot_product_attention" in reason.op
-    assert ctx.segments[1].layer_ids == ()
+    assert segments(split)[1].layer_ids == ()
     with torch.no_grad():
         _assert_same(split(*ex), (f(x),))
 
@@ -122,10 +123,10 @@ class _Mix(torch.nn.Module):
 def test_user_split_op_as_string_packet_or_overload(op: Any) -> None:
     m = _Mix()
     x = torch.randn(6, 8)
-    split, ex, ctx = _split(m, x, split_ops=[op])
-    assert _kinds(ctx.segments) == "gbg"
-    _check_records(split, ctx.segments)
-    reason = ctx.segments[1].reason
+    split, ex, _ = _split(m, x, split_ops=[op])
+    assert _kinds(segments(split)) == "gbg"
+    _check_records(split)
+    reason = segments(split)[1].reason
     assert reason is not None and reason.kind is BreakKind.USER_SPLIT_OP
     assert reason.op == "pptest.mix"
     with torch.no_grad():
@@ -134,11 +135,11 @@ def test_user_split_op_as_string_packet_or_overload(op: Any) -> None:
 
 def test_user_op_is_not_a_split_op_unless_listed() -> None:
     # Unknown custom ops are padding-unsafe until declared token-local; then nothing breaks.
-    _, _, ctx = _split(_Mix(), torch.randn(6, 8))
-    assert [s.reason.kind for s in ctx.segments if s.reason] == [BreakKind.UNSAFE_OP]
-    _, _, ctx = _split(_Mix(), torch.randn(6, 8), token_local_ops=["pptest::mix"])
-    assert _kinds(ctx.segments) == "g"
-    assert ctx.segments[0].num_nodes == 3
+    split, _, _ = _split(_Mix(), torch.randn(6, 8))
+    assert [s.reason.kind for s in segments(split) if s.reason] == [BreakKind.UNSAFE_OP]
+    split, _, _ = _split(_Mix(), torch.randn(6, 8), token_local_ops=["pptest::mix"])
+    assert _kinds(segments(split)) == "g"
+    assert segments(split)[0].num_nodes == 3
 
 
 def test_unknown_split_op_raises_naming_it() -> None:
@@ -173,14 +174,14 @@ def test_non_token_dynamic_shape_is_a_break() -> None:
     x, y = torch.randn(6, 8), torch.randn(5, 8)
     split, ex, ctx = _split(m, x, y)
     assert len(ctx.other_symbols) == 1
-    cat = _segment_of(split, ctx.segments, torch.cat)
-    mul = _segment_of(split, ctx.segments, operator.mul)  # the first mul is ``* 3``
+    cat = _segment_of(split, segments(split), torch.cat)
+    mul = _segment_of(split, segments(split), operator.mul)  # the first mul is ``* 3``
     assert cat is mul  # a run of non-token-shape nodes shares one break
     assert not cat.is_graph and cat.reason is not None
     assert cat.reason.kind is BreakKind.NON_TOKEN_SHAPE
     assert str(next(iter(ctx.other_symbols))) in cat.reason.detail
-    assert ctx.segments[0].is_graph  # the linear on x alone
-    _check_records(split, ctx.segments)
+    assert segments(split)[0].is_graph  # the linear on x alone
+    _check_records(split)
     with torch.no_grad():
         _assert_same(split(*ex), m(x, y))
 
@@ -194,8 +195,8 @@ def test_non_token_shape_through_a_method_call_is_a_break() -> None:
         return h * 2, torch.cat([h, y]).sin()
 
     x, y = torch.randn(6, 8), torch.randn(5, 8)
-    split, ex, ctx = _split(f, x, y)
-    sin = _segment_of(split, ctx.segments, "sin")
+    split, ex, _ = _split(f, x, y)
+    sin = _segment_of(split, segments(split), "sin")
     assert not sin.is_graph and sin.reason is not None and sin.reason.kind is BreakKind.NON_TOKEN_SHAPE
     with torch.no_grad():
         _assert_same(split(*ex), f(x, y))
@@ -209,8 +210,8 @@ def test_reading_a_non_token_shape_is_a_break() -> None:
         return lin(x) + lin(y).sum(0)
 
     x, y = torch.randn(6, 8), torch.randn(5, 8)
-    split, ex, ctx = _split(f, x, y)
-    reduce = _segment_of(split, ctx.segments, "sum")
+    split, ex, _ = _split(f, x, y)
+    reduce = _segment_of(split, segments(split), "sum")
     assert not reduce.is_graph and reduce.reason is not None
     assert reduce.reason.kind is BreakKind.NON_TOKEN_SHAPE
     with torch.no_grad():
@@ -221,7 +222,7 @@ def test_graph_without_breaks_is_one_graph_segment() -> None:
     m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     x = torch.randn(6, 8)
     split, ex, ctx = _split(m, x)
-    assert _kinds(ctx.segments) == "g"
+    assert _kinds(segments(split)) == "g"
     (call,) = split.graph.find_nodes(op="call_module")
     assert TOKEN_DIMS.get(call) == ((0, ctx.token_symbol),)  # copied from the segment's output
     with torch.no_grad():
@@ -303,11 +304,11 @@ def test_tiny_graph_segments_between_breaks_are_folded(
 ) -> None:
     f = _two_mixes(cheap_ops, views)
     x = torch.randn(6, 8)
-    split, ex, ctx = _split(f, x, split_ops=["pptest::mix"], fold_graph_ops=fold)
-    assert _kinds(ctx.segments) == kinds
-    _check_records(split, ctx.segments)
+    split, ex, _ = _split(f, x, split_ops=["pptest::mix"], fold_graph_ops=fold)
+    assert _kinds(segments(split)) == kinds
+    _check_records(split)
     if kinds == "gbg":
-        reason = ctx.segments[1].reason
+        reason = segments(split)[1].reason
         assert reason is not None and reason.kind is BreakKind.USER_SPLIT_OP
         assert "joined with the next break" in reason.detail and "add" in reason.detail
     with torch.no_grad():
@@ -318,9 +319,9 @@ def test_folding_joins_layer_ids_and_keeps_the_first_and_last_graphs() -> None:
     m = Attn((4, 5))
     x = torch.randn(6, 8)
     with attention_context(6, (4, 5)):
-        split, ex, ctx = _split(m, x, fold_graph_ops=100)
-        assert _kinds(ctx.segments) == "gbg"  # the graphs before the first and after the last break stay
-        assert ctx.segments[1].layer_ids == (4, 5)
+        split, ex, _ = _split(m, x, fold_graph_ops=100)
+        assert _kinds(segments(split)) == "gbg"  # the graphs before the first and after the last break stay
+        assert segments(split)[1].layer_ids == (4, 5)
         with torch.no_grad():
             _assert_same(split(*ex), (m(x),))
 
