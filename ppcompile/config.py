@@ -128,6 +128,12 @@ class PPBreakableConfig:
         debug: check at every replay that graphs read the captured tensors, and detect reads of
             outputs that a later call overwrote.
         owned_outputs: return copies instead of views into static output buffers.
+        output_slots: for how many forwards a graph-path call's outputs stay valid: those of forward i
+            until forward i + ``output_slots`` starts. 1: until the next call (views into graph memory,
+            no copy); k > 1: each forward copies its outputs that live in static memory into slot
+            ``i mod k`` of a ring and returns views of it (one copy per such output per forward; memory:
+            k times those outputs at the largest bucket), so a PP loop can send forward i's outputs
+            while forward i + 1 runs.
     """
 
     capture_sizes: tuple[int, ...] | None = None
@@ -148,6 +154,7 @@ class PPBreakableConfig:
     dump_dir: str | None = None
     debug: bool = False
     owned_outputs: bool = False
+    output_slots: int = 1
 
     def __post_init__(self) -> None:
         if self.capture_sizes is not None:
@@ -192,6 +199,12 @@ class PPBreakableConfig:
         for flag in ("debug", "owned_outputs", "dedup_segments"):
             if not isinstance(getattr(self, flag), bool):
                 _bad(flag, getattr(self, flag), "True or False")
+        slots = self.output_slots
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            _bad("output_slots", slots, "an int >= 1 (1: outputs valid until the next call)")
+        if slots > 1 and self.owned_outputs:
+            _bad("output_slots", slots, "1 with owned_outputs=True (owned outputs never expire; a ring "
+                 "of output slots only bounds how long views stay valid)")
 
     def _check_compile_sizes(self) -> None:
         sizes = self.compile_sizes

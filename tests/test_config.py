@@ -34,6 +34,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         assert config.max_padding_factor == 2.0
         assert config.dump_dir is None
         assert config.debug is False and config.owned_outputs is False
+        assert config.output_slots == 1
 
 
 def test_config_is_frozen() -> None:
@@ -61,6 +62,7 @@ GOOD: dict[str, list[Any]] = {
     "dump_dir": [None, "/tmp/dumps"],
     "debug": [True, False],
     "owned_outputs": [True, False],
+    "output_slots": [1, 2, 8],
     "on_unsafe": ["break", "error"],
     "token_local_ops": [[], ["mylib::rowwise"], (torch.relu,)],
     "fold_graph_ops": [0, 3, 100],
@@ -81,6 +83,7 @@ BAD: dict[str, list[Any]] = {
     "dump_dir": [3, b"/tmp"],
     "debug": [1, "yes", None],
     "owned_outputs": [0, "no", None],
+    "output_slots": [0, -1, 1.5, "2", True, None],
     "on_unsafe": ["eager", "Error", None],
     "token_local_ops": ["mylib::rowwise", ["rowwise"], 3],
     "fold_graph_ops": [-1, 1.5, "3", True, None],
@@ -224,3 +227,9 @@ def test_explicit_cuda_on_cpu_tensors_names_the_modes_that_work() -> None:
 def test_the_live_mode_reason_says_what_was_asked() -> None:
     assert live_mode_reason("none").startswith("graph_mode='none':")
     assert "'auto' off CUDA resolves to graph_mode='none'" in live_mode_reason("auto")
+
+
+def test_output_slots_beyond_one_refuse_owned_outputs() -> None:
+    with pytest.raises(ValueError, match=r"output_slots.*owned_outputs=True"):
+        PPBreakableConfig.from_options({"output_slots": 2, "owned_outputs": True})
+    PPBreakableConfig.from_options({"output_slots": 1, "owned_outputs": True})

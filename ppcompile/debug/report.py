@@ -119,6 +119,20 @@ def _traffic(runtime: StageRuntime) -> dict[str, Any]:
     }
 
 
+def _output_ring(runtime: StageRuntime) -> dict[str, Any] | None:
+    """The ring of output slots (``output_slots`` > 1): what it copies per forward and what a slot holds."""
+    ring = runtime.program.output_ring
+    if ring is None:
+        return None
+    held = [i.ring for i in runtime.instances() if i.ring is not None]
+    return {
+        "slots": ring.depth,
+        "outputs": [runtime.program.producer(s) for s in ring.slots],
+        "bytes_per_slot": sum(t.untyped_storage().nbytes() for t in held[0].slots[0]) if held else None,
+        "copies_per_forward": len(ring.slots),
+    }
+
+
 def _padding(runtime: StageRuntime) -> dict[str, Any]:
     plan = runtime.plan
     rows = plan.padding_table()
@@ -238,6 +252,7 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
         "static_buffers": buffers,
         "buckets": _padding(runtime),
         "traffic": _traffic(runtime),
+        "output_ring": _output_ring(runtime),
         "captures": {
             "count": sum(r.graphs for r in records if r.failed is None),
             "runs": [dataclasses.asdict(r) for r in records],

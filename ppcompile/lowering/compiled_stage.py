@@ -107,7 +107,8 @@ def lower_stage(
     ``skip_size_asserts``: the compiled segments do not check their inputs' sizes and strides (the live
     path checks what no guard or segment vouches for)."""
     program = build_program(split, compiled, token=ctx.token_symbol,
-                            traced_strides=config.segment_compiler != "eager" and not ctx.is_static)
+                            traced_strides=config.segment_compiler != "eager" and not ctx.is_static,
+                            output_slots=config.output_slots)
     kinds = ctx.input_kinds
     symbol_slots = tuple((i, e) for i, e in ctx.symint_inputs.items() if isinstance(e, sympy.Symbol))
     tensor_slots = tuple(i for i, k in enumerate(kinds) if k is InputKind.TENSOR)

@@ -20,7 +20,16 @@ import torch
 
 from ppcompile.analysis import node_facts
 from ppcompile.records import Segment
-from ppcompile.runtime.program import BreakStep, CopyPoint, GraphStep, Program, Ref, SegmentFn, Step
+from ppcompile.runtime.program import (
+    BreakStep,
+    CopyPoint,
+    GraphStep,
+    OutputRing,
+    Program,
+    Ref,
+    SegmentFn,
+    Step,
+)
 from ppcompile.runtime.static_buffers import BufferPlan, TensorLayout, follows_token_count
 from ppcompile.symbolic import SizeFn, example_value, size_expr
 
@@ -108,11 +117,28 @@ def _buffer_plans(slots: Mapping[torch.fx.Node, int], steps: Sequence[_Traced],
     return plans
 
 
+def _output_ring(outputs: Sequence[Any], steps: Sequence[Step], depth: int) -> OutputRing | None:
+    """The ring of ``depth`` slots for the outputs that live in static memory, if any and ``depth`` > 1."""
+    static = {s for st in steps if isinstance(st, GraphStep) for s in (*st.live_views, *st.writes_buffers)}
+    layouts: dict[int, TensorLayout] = {}
+    for st in steps:
+        for i, s in st.writes:
+            layout = st.out_layouts[i] if i < len(st.out_layouts) else None
+            if layout is not None:
+                layouts[s] = layout
+    slots = tuple(dict.fromkeys(r.slot for r in outputs if isinstance(r, Ref) and r.slot in static))
+    if depth < 2 or not slots:
+        return None
+    return OutputRing(depth, slots, tuple(layouts[s] for s in slots))
+
+
 def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[..., Any]], *,
-                  traced_strides: bool = False, token: sympy.Symbol | None = None) -> Program:
+                  traced_strides: bool = False, token: sympy.Symbol | None = None,
+                  output_slots: int = 1) -> Program:
     """Flattens ``split`` (after the passes) into a ``Program``; ``compiled`` maps submodule names to
     their compiled callables. ``traced_strides``: graph segments were compiled for their inputs' traced
-    strides, so static buffers take them (``token``: the token symbol, for strides that follow it)."""
+    strides, so static buffers take them (``token``: the token symbol, for strides that follow it).
+    ``output_slots`` > 1: outputs in static memory are copied into a ring of that many slots."""
     slots: dict[torch.fx.Node, int] = {}
     placeholders = list(split.graph.find_nodes(op="placeholder"))
     for i, p in enumerate(placeholders):
@@ -197,4 +223,5 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
         copy_in=copy_in,
         input_layouts={slots[p]: (p.name, TensorLayout.of(ev)) for p in placeholders
                        if isinstance(ev := example_value(p), torch.Tensor)},
+        output_ring=_output_ring(outputs, steps, output_slots),
     )

@@ -199,14 +199,16 @@ def replay_passes_args(binds_inputs: bool, debug: bool) -> bool:
     return not binds_inputs or debug
 
 
-CopyFunctions = Mapping[str, Callable[..., None]]  # "copy_rows", "copy_in", "bridge_rows", "bridge_in"
+CopyFunctions = Mapping[str, Callable[..., Any]]  # by the name the generated code calls it
 
 COPY_FUNCTIONS: CopyFunctions = types.MappingProxyType({
     "copy_rows": static_buffers.copy_rows, "copy_in": static_buffers.copy_in,
     "bridge_rows": static_buffers.copy_rows, "bridge_in": static_buffers.copy_in,
+    "copy_out": static_buffers.copy_out,
 })
-"""The copy functions the graph path calls: live inputs (``copy_*``) and bridges (``bridge_*``) alike;
-instrumentation wraps them by category (``"copy-in"``, ``"bridge copies"``)."""
+"""The copy functions the graph path calls: live inputs (``copy_rows``, ``copy_in``), bridges
+(``bridge_*``, the same functions) and outputs into their ring slot (``copy_out``); instrumentation
+wraps them by category (``graph_path.copy_category``)."""
 
 
 def graph_forward_source(
@@ -221,7 +223,8 @@ def graph_forward_source(
     debug address check). The steps of a graph-path call: copy the live inputs into their static buffers
     (zeroing the padding rows), replay graph segments, narrow what breaks and callers read to the live
     size, run breaks on live tensors and copy what graphs read into static bridges; last, copy each
-    input a graph wrote in place back into the caller's tensor. ``copies``: the
+    input a graph wrote in place back into the caller's tensor, and with an ``output_ring``, copy each
+    output in static memory into this call's ring slot (``ring``: its buffers). ``copies``: the
     functions that copy inputs and bridges (default :data:`COPY_FUNCTIONS`; a profiler wraps them).
     ``fused``: each copy point (``Program.copy_points``) fills its ``fused`` buffers with one call of
     its copier (``copiers[point.index]``), e.g. ``copiers[0]((v0, v1), (n0, n0), (b0, b0))``, instead of
@@ -303,8 +306,12 @@ def graph_forward_source(
             if step.copies is not None:
                 fill_point(step.copies)
     body += [f"args[{s}].copy_(v{s})" for s in program.written_inputs]  # the caller's tensor, as eager
+    ring = program.output_ring
+    for j, s in enumerate(() if ring is None else ring.slots):  # this call's slot: ring[j] holds slot s
+        names[f"dims_{s}"] = dims_of(s)
+        body.append(f"v{s} = copy_out(ring[{j}], v{s}, dims_{s}, env_n)")
     outputs = _outputs(program, live, names)
-    header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers):"
+    header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers, ring):"
     source = _function(header,
                        program.num_inputs, live.prologue() + bucket.prologue(), body, "raised(e, step, n, b)",
                        outputs)
@@ -321,8 +328,9 @@ def _annotate_graph_path(stage: str, segments: Sequence[str], e: BaseException, 
 def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_args: bool,
                        copies: CopyFunctions | None = None, fused: bool = False) -> GraphForward:
     """Compiles ``program``'s graph path (:func:`graph_forward_source`): called as
-    ``fn(args, static, env_n, env_b, executor.replay, n, b, copiers)``
-    (``copiers``: one per ``Program.copy_points`` entry when ``fused``, else unused), it returns the stage's
+    ``fn(args, static, env_n, env_b, executor.replay, n, b, copiers, ring)``
+    (``copiers``: one per ``Program.copy_points`` entry when ``fused``, else unused; ``ring``: this call's
+    output ring slot, or None without a ring), it returns the stage's
     outputs at the live size (views into static memory)."""
     source, names = graph_forward_source(program, binds_inputs, pass_args, copies, fused)
     segments = tuple(st.segment.name for st in program.steps)

@@ -24,7 +24,7 @@ from ppcompile.runtime.capture_diagnosis import describe_node, failing_node
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.executors import GraphExecutor, make_executor
 from ppcompile.runtime.fused_copy import RowCopier, make_row_copier
-from ppcompile.runtime.graph_path import GraphPath, Wrap, bind_graph_path, instrumented_path
+from ppcompile.runtime.graph_path import GraphPath, RingSlots, Wrap, bind_graph_path, instrumented_path
 from ppcompile.runtime.observer import CaptureMeter, CaptureObserver, CaptureRecord, CaptureStart
 from ppcompile.runtime.program import GraphStep
 from ppcompile.runtime.stale_outputs import OutputTracker
@@ -50,8 +50,10 @@ class StageInstance:
         self.tables: dict[int, list[Any]] = {}  # bucket -> slot table
         # The graph path, generated and bound once (``graph_path.py``); instrumented variants by hook.
         self._debug = debug
+        self.ring = self._ring(env_max)
         self.forward: GraphPath = bind_graph_path(program, compiled.name, self.tables, self.executor.replay,
-                                                  self.executor.binds_inputs, debug, self.copiers)
+                                                  self.executor.binds_inputs, debug, self.copiers,
+                                                  ring=self.ring)
         self._instrumented: dict[int, tuple[Wrap, GraphPath]] = {}
         self.failed: str | None = None  # capture="all": graphs are off for this instance
         self.failed_buckets: dict[int, str] = {}  # capture="lazy": buckets that run eagerly
@@ -81,8 +83,11 @@ class StageInstance:
         return tuple(sorted(self.tables))
 
     def static_tensors(self) -> Iterator[torch.Tensor]:
-        """Every tensor calls write: static inputs, bridges, captured graph outputs."""
+        """Every tensor calls write: static inputs, bridges, captured graph outputs, the output ring."""
         yield from self._buffers.values()
+        if self.ring is not None:
+            for buffers in self.ring.slots:
+                yield from buffers
         module_slots = {*self._compiled.state_slots, *self._compiled.scalar_slots}
         for table in self.tables.values():
             for slot, value in enumerate(table):
@@ -108,6 +113,20 @@ class StageInstance:
         if not any(c is not None and c.kernel == "triton" for c in copiers):
             return None  # "auto" chose torch everywhere: the plain generated code is faster
         return copiers
+
+    def _ring(self, env_max: dict[sympy.Symbol, int]) -> RingSlots | None:
+        """The output ring's buffers (``Program.output_ring``): per slot, one buffer per copied output at
+        the largest bucket, in the caller's inference mode like the static buffers."""
+        ring = self._compiled.program.output_ring
+        if ring is None:
+            return None
+        shapes = []
+        for layout in ring.layouts:
+            at = layout.at(env_max)
+            assert at is not None, "an output's size names a symbol the call does not bind"
+            shapes.append((at[0], layout.dtype, layout.device))
+        return RingSlots([tuple(torch.zeros(shape, dtype=dtype, device=device)
+                                for shape, dtype, device in shapes) for _ in range(ring.depth)])
 
     def instrumented(self, wrap: Wrap) -> GraphPath:
         """This instance's graph path with its parts wrapped by ``wrap`` (kept for later calls with it)."""

@@ -31,7 +31,7 @@ from ppcompile.records import Segment, StaticBuffer
 from ppcompile.runtime.static_buffers import BufferPlan, TensorLayout
 from ppcompile.symbolic import SizeFn
 
-__all__ = ["BreakStep", "CopyPoint", "GraphStep", "Program", "Ref", "SegmentFn", "Step"]
+__all__ = ["BreakStep", "CopyPoint", "GraphStep", "OutputRing", "Program", "Ref", "SegmentFn", "Step"]
 
 SegmentFn = Callable[..., Sequence[Any]]
 
@@ -146,6 +146,19 @@ Step = GraphStep | BreakStep
 
 
 @dataclasses.dataclass(frozen=True)
+class OutputRing:
+    """Outputs that stay valid for ``depth`` forwards (option ``output_slots``): after the last step, each
+    output that lives in static memory (a graph's live view, or a static value a graph wrote in place)
+    is copied into this call's slot of its ring, ``i mod depth`` for forward ``i``, and the call returns
+    views of that slot. ``layouts``: each copied output's traced layout (its ring buffers take the shape
+    at the largest bucket)."""
+
+    depth: int
+    slots: tuple[int, ...]  # output slots copied, in order; ``ring[j]`` holds ``slots[j]``
+    layouts: tuple[TensorLayout, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
     """The flat program of one stage graph (read-only)."""
 
@@ -158,6 +171,7 @@ class Program:
     copy_in: CopyPoint = dataclasses.field(default_factory=lambda: CopyPoint(0, None, ()))
     # Tensor inputs: slot -> (placeholder name, traced layout).
     input_layouts: Mapping[int, tuple[str, TensorLayout]] = dataclasses.field(default_factory=dict)
+    output_ring: OutputRing | None = None  # outputs copied into a ring of slots (``output_slots`` > 1)
 
     @property
     def copy_points(self) -> tuple[CopyPoint, ...]:

@@ -268,7 +268,7 @@ class StageRuntime(StageInspection):
         outputs = self._owned(outputs, state.storages, copied)
         if self._track_outputs and copied:
             if state.tracker is None:
-                state.tracker = OutputTracker(self.name)
+                state.tracker = OutputTracker(self.name, self.config.output_slots)
             state.tracker.hand_out((i, outputs[i]) for i in copied)
         return outputs
 

@@ -22,6 +22,7 @@ when ``debug`` is off.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -66,12 +67,15 @@ def _poison(t: torch.Tensor) -> None:
 
 
 class OutputTracker:
-    """The outputs one module instance handed out, expired when the call after them ends."""
+    """The outputs one module instance handed out, expired when the ``lifetime``-th call after them ends
+    (``output_slots``: 1, the next call)."""
 
-    def __init__(self, stage: str) -> None:
+    def __init__(self, stage: str, lifetime: int = 1) -> None:
         self.stage = stage
         self.calls = 0
-        self._handed: list[tuple[weakref.ref[torch.Tensor], str]] = []
+        self.lifetime = lifetime
+        # Outputs of the last ``lifetime`` calls, oldest first, each call's as one list.
+        self._handed: collections.deque[list[tuple[weakref.ref[torch.Tensor], str]]] = collections.deque()
         self._fresh: list[tuple[weakref.ref[torch.Tensor], str]] = []
 
     def hand_out(self, outputs: Iterable[tuple[int, torch.Tensor]]) -> None:
@@ -83,18 +87,25 @@ class OutputTracker:
         ]
 
     def end_call(self) -> None:
-        """A call ended (served any way, or failed): expire the outputs of the call before it."""
+        """A call ended (served any way, or failed): expire the outputs of the call ``lifetime`` calls
+        before it."""
         self.calls += 1
-        for ref, what in self._handed:
+        self._handed.append(self._fresh)
+        self._fresh = []
+        while len(self._handed) > self.lifetime:
+            self._expire(self._handed.popleft())
+
+    def _expire(self, handed: list[tuple[weakref.ref[torch.Tensor], str]]) -> None:
+        valid = "until the next call" if self.lifetime == 1 else f"for {self.lifetime} calls (output_slots)"
+        for ref, what in handed:
             t = ref()
             if t is None or isinstance(t, StaleOutput):
                 continue
             _poison(t)
             t._pp_stale_message = (  # type: ignore[attr-defined]
                 f"pp_breakable debug: stale {what} of {self.stage} used after call {self.calls} of the same "
-                "compiled stage; outputs are valid until the next call (they may be views into static "
-                "buffers that it overwrites): clone() what you keep across calls, or compile with "
-                "options={'owned_outputs': True}"
+                f"compiled stage; outputs are valid {valid} (they may be views into static buffers that "
+                "later calls overwrite): clone() what you keep longer, or compile with "
+                "options={'owned_outputs': True} (or a larger 'output_slots')"
             )
             t.__class__ = StaleOutput
-        self._handed, self._fresh = self._fresh, []

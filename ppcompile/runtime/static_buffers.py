@@ -19,7 +19,7 @@ from ppcompile.records import StaticBuffer
 from ppcompile.symbolic import SizeFn, size_expr
 
 __all__ = ["BufferPlan", "TensorLayout", "allocate", "bucket_view", "check_static_layout", "copy_in",
-           "copy_rows", "follows_token_count", "narrow_to", "non_overlapping", "strides_match"]
+           "copy_out", "copy_rows", "follows_token_count", "narrow_to", "non_overlapping", "strides_match"]
 
 TokenDims = tuple[tuple[int, SizeFn], ...]
 Env = Mapping[sympy.Symbol, int]
@@ -177,6 +177,13 @@ def narrow_to(t: torch.Tensor, dims: TokenDims, env: Env) -> torch.Tensor:
         if length != t.shape[d]:
             t = t.narrow(d, 0, length)
     return t
+
+
+def copy_out(buf: torch.Tensor, src: torch.Tensor, dims: TokenDims, env_live: Env) -> torch.Tensor:
+    """Copies live ``src`` into ``buf``'s first rows (an output's ring slot); returns that view of ``buf``."""
+    view = narrow_to(buf, dims, env_live)
+    view.copy_(src)
+    return view
 
 
 def copy_rows(buf: torch.Tensor, src: torch.Tensor, dim: int, n: int, b: int) -> None:

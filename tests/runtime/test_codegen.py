@@ -292,7 +292,7 @@ def test_a_program_without_steps_returns_its_inputs_and_constants() -> None:
     x = torch.ones(2)
     assert make_live_forward(program)((x,), {}) == (x, 3)
     graph_forward = make_graph_forward(program, "stage", True, False)
-    assert graph_forward((x,), [], {}, {}, None, 2, 2, None) == (x, 3)
+    assert graph_forward((x,), [], {}, {}, None, 2, 2, None, None) == (x, 3)
 
 
 def test_a_static_buffer_keeps_the_traced_layout_of_what_it_holds() -> None:
