@@ -121,10 +121,11 @@ def count_aten_ops(fn: Callable[[], Any]) -> int:
 
 
 def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mode: str | None = None,
-                 layers: int | None = None) -> dict[str, Any]:
+                 layers: int | None = None, output_slots: int = 1) -> dict[str, Any]:
     """Measures eager per-op cost and ppcompile's runtime overhead on :data:`TINY_DEEP` (``layers``
     overrides its depth); returns the JSON-able result. ``graph_mode`` defaults to the graph path
-    (``graph_path_mode``: CUDA graphs on a GPU, the emulation on CPU)."""
+    (``graph_path_mode``: CUDA graphs on a GPU, the emulation on CPU); ``output_slots``: the option (a
+    ring of output slots costs a copy per output per forward, timed as ``output copies``)."""
     device = torch.device(device)
     graph_mode = graph_mode or graph_path_mode(device.type)
     cfg = TINY_DEEP if layers is None else TINY_DEEP.replace(num_layers=layers)
@@ -133,7 +134,8 @@ def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mod
     lens = [_TOKENS // 2, _TOKENS - _TOKENS // 2]
     ids, pos, _ = make_batch(cfg, lens, 0, 1, device=device)
     ctx = make_forward_context(lens, cfg, range(cfg.num_layers), device=device)
-    options: dict[str, Any] = {"capture_sizes": _BUCKETS, "graph_mode": graph_mode}
+    options: dict[str, Any] = {"capture_sizes": _BUCKETS, "graph_mode": graph_mode,
+                               "output_slots": output_slots}
     ppcompile.mark_token_dynamic(ids, pos)  # not dynamic=True: see the user guide
     compiled = torch.compile(stage, backend="pp_breakable", options=options)
     with torch.inference_mode(), set_forward_context(ctx):
@@ -203,6 +205,7 @@ def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mod
         "stage": (f"reference decoder, {cfg.num_layers} layers, hidden {cfg.hidden_size}, whole model on "
                   f"one rank; {_TOKENS} tokens in 2 sequences (bucket {runtime.plan.bucket(_TOKENS)})"),
         "graph_mode": runtime.graph_mode,
+        "output_slots": output_slots,
         "iters": iters,
         "eager_us": eager_us,
         "eager_ops": ops,
@@ -272,7 +275,8 @@ def markdown(result: dict[str, Any]) -> str:
     parts = sorted(r["parts_us"].items(), key=lambda kv: -kv[1])
     breakdown = ", ".join(f"{k} {v:.0f}" for k, v in parts)
     return "\n".join([
-        f"Stage: {r['stage']}; graphs: {r['graph_mode']}; medians of {r['iters']} calls.",
+        f"Stage: {r['stage']}; graphs: {r['graph_mode']}, output_slots {r.get('output_slots', 1)}; "
+        f"medians of {r['iters']} calls.",
         "",
         markdown_table(["per forward", "µs", "note"], rows, align="lrl"),
         "",
@@ -298,12 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--graph-mode", default=None,
                         help="pp_breakable graph_mode (auto|emulate|eager|cuda|none; default: cuda on a GPU, "
                              "else emulate)")
+    parser.add_argument("--output-slots", type=int, default=1, help="pp_breakable output_slots (default 1)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.threads)
-    result = run_overhead(device, args.iters, args.graph_mode, args.layers)
+    result = run_overhead(device, args.iters, args.graph_mode, args.layers, args.output_slots)
     save_json(args.out / "overhead.json", result)
     print(markdown(result))
     return 0
