@@ -49,9 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small-dense", choices=sorted(REFERENCE_CONFIGS),
                         help="reference model config (default: small-dense)")
     parser.add_argument("--out", required=True, help="dump folder (created; this stage's files are replaced)")
-    parser.add_argument("--tokens", type=int, default=100,
-                        help="token count of the forward that triggers capture (default: 100; avoid sizes "
-                             "equal to a model dim, which Dynamo may specialise)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="token count of the forward that triggers capture (default: 100, or one less "
+                             "than the largest capture size when that is smaller, so the forward takes the "
+                             "graph path; avoid sizes equal to a model dim, which Dynamo may specialise)")
     parser.add_argument("--capture-sizes", type=int_list, default=None,
                         help="explicit buckets, comma-separated (default: the backend's ladder)")
     parser.add_argument("--max-capture-tokens", type=int, default=None,
@@ -67,6 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
 
 
+_DEFAULT_TOKENS = 100
+
+
+def default_tokens(capture_sizes: list[int] | None, max_capture_tokens: int | None) -> int:
+    """The forward's token count when ``--tokens`` is not given: 100, or one less than the largest
+    capture size (at least 2) when 100 would be above it and run eagerly."""
+    from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS
+
+    top = max(capture_sizes) if capture_sizes else (max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS)
+    return _DEFAULT_TOKENS if top >= _DEFAULT_TOKENS else max(2, top - 1)
+
+
 def run(args: argparse.Namespace) -> int:
     """Compiles, runs and dumps the stage; prints the report; returns the exit code."""
     from ppcompile.backends.pp_breakable import stage_runtimes
@@ -80,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"ppcompile dump: model {args.model!r} has {cfg.num_layers} layers, cannot split over {size} "
               "stages", file=sys.stderr)
         return 2
+    if args.tokens is None:
+        args.tokens = default_tokens(args.capture_sizes, args.max_capture_tokens)
     if args.tokens < 2:
         print("ppcompile dump: --tokens must be >= 2 (Dynamo specialises 1-token forwards, which never "
               "take the graph path)", file=sys.stderr)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ppcompile.cli.dump import parse_stage
+from ppcompile.cli.dump import default_tokens, parse_stage
 from ppcompile.cli.main import main
 
 
@@ -38,6 +38,22 @@ def test_dump_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
     assert main(["report", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["stage_graph"] == folder.name
+
+
+def test_without_tokens_the_forward_fits_the_capture_sizes(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--capture-sizes 8,16`` without ``--tokens``: the forward is 15 tokens (not 100, above the cap),
+    so it takes the graph path and captures."""
+    code = main(["dump", "--stage", "0/2", "--model", "tiny", "--out", str(tmp_path),
+                 "--capture-sizes", "8,16", "--graph-mode", "emulate"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "15 tokens" in printed and "path graph, bucket 16" in printed
+
+
+@pytest.mark.parametrize(("sizes", "cap", "tokens"), [
+    (None, None, 100), ([16, 32, 64], None, 63), ([1], None, 2), (None, 48, 47), ([128, 256], 48, 100)])
+def test_default_tokens(sizes: list[int] | None, cap: int | None, tokens: int) -> None:
+    assert default_tokens(sizes, cap) == tokens
 
 
 def test_dump_refuses_one_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
