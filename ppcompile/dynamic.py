@@ -11,6 +11,7 @@ size either).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch
 from ppcompile.torch_internals import mark_dynamic
 
 __all__ = ["mark_token_dynamic"]
+
+log = logging.getLogger(__name__)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -49,7 +52,13 @@ def mark_token_dynamic(*values: Any, dim: int = 0) -> int:
         raise ValueError(f"mark_token_dynamic: dim must be a non-negative int, got {dim!r}")
     marked = 0
     for t in _tensors(values):
-        if t.dim() > dim:
-            mark_dynamic(t, dim)
-            marked += 1
+        if t.dim() <= dim:
+            continue
+        if t.shape[dim] == 1 and t.dim() > dim + 2 and t.shape[dim + 1] > 1:  # [1, T, H]: batch-first?
+            log.warning("mark_token_dynamic: a tensor of shape %s has size 1 at dim %d, which Dynamo "
+                        "treats as a constant (the stage then never graphs); batch-first? ppcompile "
+                        "stages are token-major ([T, ...]): squeeze the batch dim, or pass dim=%d",
+                        list(t.shape), dim, dim + 1)
+        mark_dynamic(t, dim)
+        marked += 1
     return marked

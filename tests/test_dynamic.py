@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -106,3 +107,29 @@ def test_size_oblivious_tracing_graphs_one_token_forwards() -> None:
             for n, mark in ((5, True), (1, False), (1, False)):
                 torch.testing.assert_close(_run(stage, compiled, n, mark), _run(stage, stage, n, False),
                                            atol=1e-5, rtol=0)
+
+
+def test_a_batch_first_input_is_named_when_marked_and_when_the_stage_never_graphs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ``[1, T, H]`` input reads as 1 token (dim 0): the marking warns, and the always-eager reason
+    names the input and the way out instead of only blaming Dynamo."""
+    lin = torch.nn.Linear(8, 8)
+
+    def stage(x: torch.Tensor) -> torch.Tensor:
+        return lin(x).relu()
+
+    x = torch.randn(1, 6, 8)
+    with caplog.at_level("WARNING", logger="ppcompile"):
+        assert ppcompile.mark_token_dynamic(x) == 1
+    assert "shape [1, 6, 8] has size 1 at dim 0" in caplog.text and "pass dim=1" in caplog.text
+    compiled = torch.compile(stage, backend="pp_breakable", options={"graph_mode": "emulate",
+                                                                     "capture_sizes": [8, 16]})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), stage(x))
+    reason = ppcompile.stage_runtimes()[-1].eager_reason  # a static graph: no token symbol
+    assert reason is not None and re.search(r"graph input \d+ has shape \[1, 6, 8\]: batch-first\?", reason)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ppcompile"):
+        ppcompile.mark_token_dynamic(torch.randn(1, 8), torch.randn(6, 1, 8))  # one token; T=6 with a 1
+    assert "has size 1" not in caplog.text

@@ -63,6 +63,18 @@ def _admitted_by(ctx: PassContext) -> Callable[[int], bool] | None:
     return lambda size: holds_at(guards, token, size)
 
 
+def batch_first_hint(example_inputs: Iterable[Any]) -> str:
+    """``"; graph input k has shape [1, T, ...]: ..."`` when an input looks batch-first (a batch dim of 1
+    before a longer dim), whose dim 0 then reads as a 1-token count; else ``""``."""
+    for k, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[0] == 1 and x.shape[1] > 1:
+            return (f"; graph input {k} has shape {list(x.shape)}: batch-first? ppcompile reads dim 0 as the "
+                    "token dim (stages are token-major, [T, ...]): squeeze the batch dim before the "
+                    "stage, or mark the token dim (ppcompile.mark_token_dynamic(t, dim=1)) if it really "
+                    "is dim 1")
+    return ""
+
+
 def _eager_reason(
     ctx: PassContext, program: Program, plan: BucketPlan, config: PPBreakableConfig, graph_mode: str
 ) -> str | None:
@@ -71,7 +83,7 @@ def _eager_reason(
             "Dynamo traced concrete token sizes: it always does for a 1-token batch, for the first "
             "call with dynamic=None, and when the first token count equals another dim of the inputs "
             "(duck sizing); mark the token dims with torch._dynamo.mark_dynamic(t, 0) to avoid the "
-            "last two"
+            "last two" + batch_first_hint(ctx.example_inputs)
         )
     if not ctx.eligible:
         return ctx.ineligible_reason
