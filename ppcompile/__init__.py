@@ -8,7 +8,7 @@ import logging
 from ppcompile import envs
 from ppcompile.analysis.op_matching import register_attention_op
 from ppcompile.analysis.token_locality import register_token_local_op
-from ppcompile.backends.pp_breakable import pp_breakable, stage_runtimes
+from ppcompile.backends.pp_breakable import pp_breakable, runtimes_of, stage_runtimes
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.dynamic import mark_token_dynamic
@@ -39,6 +39,7 @@ __all__ = [
     "pp_breakable",
     "register_attention_op",
     "register_token_local_op",
+    "runtimes_of",
     "stage_runtimes",
     "token_histogram",
     "token_local",

@@ -31,17 +31,44 @@ from .segment_compilers import (
     segments_skip_size_asserts,
 )
 
-__all__ = ["pp_breakable", "stage_runtimes"]
+__all__ = ["pp_breakable", "runtimes_of", "stage_runtimes"]
 
 log = logging.getLogger(__name__)
 
 _RUNTIMES: list[weakref.ref[StageRuntime]] = []
+# Per runtime (by id, while alive): the parameters and buffers its stage graph was compiled reading.
+_MODULE_STATE: dict[int, weakref.WeakSet[torch.Tensor]] = {}
 
 
 def stage_runtimes() -> list[StageRuntime]:
     """The stage runtimes this process has built that are still alive, oldest first."""
     alive = [r() for r in _RUNTIMES]
     return [r for r in alive if r is not None]
+
+
+def runtimes_of(module: torch.nn.Module) -> list[StageRuntime]:
+    """The live stage runtimes serving ``module`` (the module, or what ``torch.compile`` returned for it),
+    oldest first, recompiles included: those compiled reading its parameters or buffers, and those that
+    have served it on the graph path (Dynamo may serve two instances of one class with one stage graph;
+    the runtime then keeps a captured instance per module). A stage graph that reads no module state (a
+    function, a module without parameters) is not found this way: use :func:`stage_runtimes`."""
+    module = getattr(module, "_orig_mod", module)
+    mine = {id(t) for t in (*module.parameters(), *module.buffers())}
+
+    def serves(rt: StageRuntime) -> bool:
+        compiled_for = _MODULE_STATE.get(id(rt), ())
+        served = (t for state in rt.instances() for t in state.module_state)
+        return any(id(t) in mine for t in (*compiled_for, *served))
+
+    return [rt for rt in stage_runtimes() if serves(rt)]
+
+
+def _remember_state(runtime: StageRuntime, example_inputs: list[Any]) -> None:
+    state: weakref.WeakSet[torch.Tensor] = weakref.WeakSet(
+        x for i in runtime.compiled.state_slots if isinstance(x := example_inputs[i], torch.Tensor))
+    key = id(runtime)
+    _MODULE_STATE[key] = state
+    weakref.finalize(runtime, _MODULE_STATE.pop, key, None)
 
 
 def _graph_name() -> str:
@@ -88,6 +115,7 @@ def pp_breakable(
     runtime = StageRuntime(stage, config, observer=capture_recorder)  # capture runs -> debug
     built.append(weakref.ref(runtime))
     _RUNTIMES.append(weakref.ref(runtime))
+    _remember_state(runtime, example_inputs)
     on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())
     return runtime

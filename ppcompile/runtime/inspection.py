@@ -60,7 +60,8 @@ class StageInspection:
         if c.eager_reason:
             lines.append(f"  always eager: {c.eager_reason}")
         for seg in c.segments:
-            what = "graph" if seg.is_graph else f"break  {seg.reason}"
+            graph = "graph" if c.eager_reason is None else "graph segment, run eagerly (always eager)"
+            what = graph if seg.is_graph else f"break  {seg.reason}"
             declared = seg.token_local_regions
             regions = f"  [token-local: {', '.join(declared)}]" if declared else ""
             lines.append(f"  {seg.name:<12} {seg.num_nodes:>4} nodes  {what}{regions}")
