@@ -4,7 +4,9 @@
 served them; ``replays_by_bucket`` splits replays by bucket; ``captures`` counts captured (segment,
 bucket) graphs; ``backend_compiles`` counts calls of the backend by Dynamo; ``segment_compiles`` counts
 graph segments actually compiled (unique structures; eager segments compile nothing) and
-``segment_cache_hits`` the segments that reused an artifact of the same structure.
+``segment_cache_hits`` the segments that reused an artifact of the same structure; ``fall_offs`` counts,
+by cause, the stage graphs whose forwards stopped reaching the graph path for a reason other than the
+documented policy (``StageRuntime.fall_offs()``: one warning per stage graph and cause).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Counters:
     segment_compiles: int = 0
     segment_cache_hits: int = 0
     replays_by_bucket: Counter[int] = dataclasses.field(default_factory=Counter)
+    fall_offs: Counter[str] = dataclasses.field(default_factory=Counter)
 
     def reset(self) -> None:
         """Sets every count back to zero."""
@@ -40,7 +43,7 @@ class Counters:
     def snapshot(self) -> dict[str, Any]:
         """A copy of the current counts."""
         return {
-            f.name: dict(getattr(self, f.name)) if f.name == "replays_by_bucket" else getattr(self, f.name)
+            f.name: dict(value) if isinstance(value := getattr(self, f.name), Counter) else value
             for f in dataclasses.fields(self)
         }
 
@@ -48,7 +51,8 @@ class Counters:
     def expect(self, **deltas: Any) -> Iterator[None]:
         """Asserts that the block changes each named count by exactly the given delta.
 
-        ``replays_by_bucket`` takes a dict ``{bucket: delta}``; buckets not named must not change.
+        ``replays_by_bucket`` and ``fall_offs`` take a dict ``{key: delta}``; keys not named must not
+        change.
         """
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(deltas) - names)
@@ -59,7 +63,7 @@ class Counters:
         after = self.snapshot()
         errors = []
         for name, want in deltas.items():
-            if name == "replays_by_bucket":
+            if isinstance(getattr(self, name), Counter):
                 keys = set(before[name]) | set(after[name]) | set(want)
                 got = {k: after[name].get(k, 0) - before[name].get(k, 0) for k in keys}
                 got = {k: v for k, v in got.items() if v}

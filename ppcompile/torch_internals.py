@@ -25,9 +25,9 @@ __all__ = [
     "C_SCALED_DOT_PRODUCT_ATTENTION", "OpOverload", "OpOverloadPacket", "TorchInternalsError",
     "compile_id", "cuda_graph_capture", "current_shape_env", "custom_op_implementation", "custom_op_module",
     "data_dependent_errors", "dynamo_compile_start_ns",
-    "floats_specialized",
+    "floats_specialized", "frame_compile_index",
     "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol", "mark_dynamic",
-    "raise_recompile_limit", "register_backend", "reset_dynamo", "restart_analysis",
+    "raise_recompile_limit", "recompile_limit", "register_backend", "reset_dynamo", "restart_analysis",
     "restart_with_floats_specialized", "shape_env_facts", "shape_env_guards", "shape_env_hints",
     "static_fake_mode", "storage_from_data_pointer", "symint_shape_env", "sympy_interp_logger_name",
     "sympy_interp_python", "trace_artifact", "tracing_context", "tree_leaves", "without_dynamo_disable",
@@ -216,6 +216,18 @@ def raise_recompile_limit(limit: int) -> None:
     config = _lookup("torch._dynamo", "config", "to raise the recompile limit")
     if _attr(config, "recompile_limit", "torch._dynamo.config", "to raise the recompile limit") < limit:
         config.recompile_limit = limit
+
+
+def recompile_limit() -> int:
+    """Dynamo's per-code-object recompile limit: past it, a frame whose guards fail runs uncompiled."""
+    config = _lookup("torch._dynamo", "config", "to read the recompile limit")
+    return int(_attr(config, "recompile_limit", "torch._dynamo.config", "to read the recompile limit"))
+
+
+def frame_compile_index(compile_id: Any) -> int | None:
+    """Which compile of its frame ``compile_id`` is (0 for the first; ``0/3`` is 3), or None."""
+    index = getattr(compile_id, "frame_compile_id", None)
+    return index if isinstance(index, int) else None
 
 
 def restart_analysis() -> type[BaseException]:

@@ -75,6 +75,7 @@ def test_inside_a_compile(fresh_dynamo: None) -> None:
     ti.mark_dynamic(x, 0)
     torch.compile(lambda t: t * 2, backend=backend, fullgraph=True)(x)
     assert seen["compile_id"] is not None and seen["current"] is seen["env"]
+    assert ti.frame_compile_index(seen["compile_id"]) == 0 and ti.frame_compile_index(None) is None
     assert seen["start"] is not None and seen["start"] > 0
     assert isinstance(seen["guards"], tuple)
     assert len(seen["facts"]) == 3 and all(isinstance(n, int) for n in seen["facts"])
@@ -105,6 +106,7 @@ def test_dynamo_entries() -> None:
     assert "pptest_internals_backend" in torch._dynamo.list_backends(exclude_tags=())
     ti.reset_dynamo()
     limit = torch._dynamo.config.recompile_limit
+    assert ti.recompile_limit() == limit
     ti.raise_recompile_limit(1)  # already higher: unchanged
     assert torch._dynamo.config.recompile_limit == limit
     assert issubclass(ti.restart_analysis(), Exception)

@@ -22,7 +22,7 @@ from ppcompile.lowering import lower_stage
 from ppcompile.passes.context import PassContext
 from ppcompile.passes.manager import run_passes
 from ppcompile.runtime.observer import CaptureStart
-from ppcompile.runtime.stage_runtime import StageRuntime
+from ppcompile.runtime.stage_runtime import RECOMPILE_LIMIT, StageRuntime
 
 from .segment_compilers import (
     compile_segments,
@@ -61,6 +61,21 @@ def runtimes_of(module: torch.nn.Module) -> list[StageRuntime]:
         return any(id(t) in mine for t in (*compiled_for, *served))
 
     return [rt for rt in stage_runtimes() if serves(rt)]
+
+
+def _check_recompile_budget(runtime: StageRuntime, compile_id: object | None) -> None:
+    """A fall-off ahead: this is the last compile Dynamo allows the frame, so its next guard failure runs
+    the stage uncompiled (ppcompile is not called again for it; Dynamo logs one line)."""
+    index = torch_internals.frame_compile_index(compile_id)
+    limit = torch_internals.recompile_limit()
+    if index is None or index + 1 < limit:
+        return
+    runtime.note_fall_off(RECOMPILE_LIMIT, (
+        f"this is compile {index + 1} of the stage's frame, Dynamo's recompile limit ({limit}): the next "
+        "token count (or input) whose guards fail runs the stage uncompiled, without ppcompile. Mark the "
+        "token dims (ppcompile.mark_token_dynamic) so one graph serves every count, remove the guard the "
+        "model's code adds (TORCH_LOGS=recompiles names it), or raise torch._dynamo.config.recompile_limit; "
+        "two modules of one class share the frame's limit"))
 
 
 def _remember_state(runtime: StageRuntime, example_inputs: list[Any]) -> None:
@@ -116,6 +131,7 @@ def pp_breakable(
     built.append(weakref.ref(runtime))
     _RUNTIMES.append(weakref.ref(runtime))
     _remember_state(runtime, example_inputs)
+    _check_recompile_budget(runtime, stage.record.compile_id)
     on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())
     return runtime

@@ -261,9 +261,10 @@ def _padding_plot(report: dict[str, Any]) -> str:
     parts.append(f"<text x='{(x0 + x1) / 2:.1f}' y='{y1 + 32}' text-anchor='middle'>live token count "
                  f"(log scale; ticks below the axis are buckets; above {cap}: eager)</text>")
     s = b["summary"]
+    worst = ("no bucket" if s["max_waste"] is None else
+             f"worst {100 * s['max_waste']:.0f}% at {s['max_waste_at']} tokens")
     caption = (f"Padding waste = padded rows / live rows. Token-weighted waste "
-               f"{100 * s['token_weighted_waste']:.1f}%, worst {100 * s['max_waste']:.0f}% at "
-               f"{s['max_waste_at']} tokens; "
+               f"{100 * s['token_weighted_waste']:.1f}%, {worst}; "
                f"{s['eager_at_or_below_cap']} counts at or below the cap run eagerly (shaded).")
     return (f"<p class='muted'>{_e(caption)}</p><svg id='padplot' data-x0='{x0}' data-x1='{x1}' "
             f"viewBox='0 0 {_W} {y1 + 40}' width='100%' role='img' aria-label='padding waste'>"

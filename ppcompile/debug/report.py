@@ -139,7 +139,7 @@ def _padding(runtime: StageRuntime) -> dict[str, Any]:
     graphed = [(n, b) for n, b, _ in rows if b is not None]
     live = sum(n for n, _ in graphed)
     padded = sum(b - n for n, b in graphed)
-    worst = max(rows, key=lambda r: r[2])
+    worst = max(rows, key=lambda r: r[2], default=None)  # None: no bucket (every size refused)
     per_bucket = []
     lo = 1
     for b in plan.sizes:
@@ -159,8 +159,8 @@ def _padding(runtime: StageRuntime) -> dict[str, Any]:
         "summary": {
             "mean_waste": round(sum(w for _, b, w in rows if b is not None) / max(1, len(graphed)), 4),
             "token_weighted_waste": round(padded / live, 4) if live else 0.0,
-            "max_waste": round(worst[2], 4),
-            "max_waste_at": worst[0],
+            "max_waste": None if worst is None else round(worst[2], 4),
+            "max_waste_at": None if worst is None else worst[0],
             "eager_at_or_below_cap": sum(1 for _, b, _ in rows if b is None),
         },
     }
@@ -253,6 +253,7 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
         "buckets": _padding(runtime),
         "traffic": _traffic(runtime),
         "output_ring": _output_ring(runtime),
+        "fall_offs": runtime.fall_offs(),
         "captures": {
             "count": sum(r.graphs for r in records if r.failed is None),
             "runs": [dataclasses.asdict(r) for r in records],

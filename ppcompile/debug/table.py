@@ -111,9 +111,10 @@ def format_report(report: dict[str, Any], path: str = "") -> str:
         f"{format_bytes(mem['measured_graph_bytes'])}")
     lines.append(
         f"buckets: {len(b['sizes'])} up to {b['cap']}, max_padding_factor {b['max_padding_factor']:g}; "
-        f"padding waste {100 * s['token_weighted_waste']:.1f}% token-weighted, worst "
-        f"{100 * s['max_waste']:.0f}% at {s['max_waste_at']} tokens, {s['eager_at_or_below_cap']} count(s) "
-        "at or below the cap run eagerly")
+        f"padding waste {100 * s['token_weighted_waste']:.1f}% token-weighted, "
+        + ("no bucket" if s["max_waste"] is None else
+           f"worst {100 * s['max_waste']:.0f}% at {s['max_waste_at']} tokens")
+        + f", {s['eager_at_or_below_cap']} count(s) at or below the cap run eagerly")
     traffic = report.get("traffic") or {}
     if traffic.get("forwards"):
         lines.append(

@@ -97,9 +97,17 @@ def _eager_reason(
     if not program.graph_steps:
         return "the stage has no graph segments"
     if not plan.sizes:
-        return (f"no capture size is a token count the stage graph was traced for (Dynamo's shape "
-                f"guards fail at {', '.join(map(str, plan.refused))})")
+        return never_graphs_reason(plan)
     return None
+
+
+def never_graphs_reason(plan: BucketPlan) -> str:
+    """Why a stage graph whose shape guards refuse every capture size runs eagerly: not a policy of
+    ppcompile's but a fall-off (the runtime warns once and counts it)."""
+    return (f"no capture size is a token count the stage graph was traced for (Dynamo's shape guards "
+            f"fail at {', '.join(map(str, plan.refused))}): the model's code guards on the token count "
+            "(a parity or a remainder, e.g. chunk padding), so Dynamo traced this graph for a class of "
+            "counts no bucket belongs to; give capture_sizes in that class, or remove the guard")
 
 
 def lower_stage(
@@ -142,7 +150,8 @@ def lower_stage(
         input_specs=input_specs(ctx.static_inputs, known),
         live_checks=tuple(checked_values(program, tensor_slots, known))
         if skip_size_asserts and not ctx.is_static else (),
-        eager_reason=_eager_reason(ctx, program, plan, config, graph_mode),
+        eager_reason=(reason := _eager_reason(ctx, program, plan, config, graph_mode)),
+        never_graphs=reason is not None and reason == never_graphs_reason(plan),
         record=CompileRecord(
             split_module=split,
             pass_times=types.MappingProxyType(dict(ctx.pass_times)),

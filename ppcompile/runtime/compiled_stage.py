@@ -55,6 +55,8 @@ class CompiledStage:
     input_specs: tuple[InputSpec, ...]  # what graph-path calls check before copying in
     live_checks: tuple[CheckedValue, ...]  # what the live path checks (segments without size asserts)
     eager_reason: str | None  # why every forward runs eagerly, or None
+    # The eager reason is no policy but a fall-off: the graph's shape guards refuse every capture size.
+    never_graphs: bool = False
     record: CompileRecord = dataclasses.field(default_factory=lambda: CompileRecord())
 
     @property

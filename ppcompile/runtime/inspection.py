@@ -29,6 +29,10 @@ class StageInspection:
         """The captured state of each module instance served so far (``StageRuntime``)."""
         raise NotImplementedError
 
+    def fall_offs(self) -> dict[str, str]:
+        """Why forwards stopped reaching the graph path, by cause (``StageRuntime``)."""
+        raise NotImplementedError
+
     def static_bytes(self) -> int:
         """Bytes of static memory this runtime holds over all module instances: static input buffers,
         bridges and captured graph outputs (each storage counted once). On CUDA, graph-private
@@ -59,6 +63,8 @@ class StageInspection:
                  f"buckets {len(c.plan.sizes)} up to {c.plan.cap}"]
         if c.eager_reason:
             lines.append(f"  always eager: {c.eager_reason}")
+        for cause, message in self.fall_offs().items():
+            lines.append(f"  fell off the graph path ({cause}): {message}")
         for seg in c.segments:
             graph = "graph" if c.eager_reason is None else "graph segment, run eagerly (always eager)"
             what = graph if seg.is_graph else f"break  {seg.reason}"

@@ -46,7 +46,16 @@ from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.validation import aliased_slots, check_inputs, storages_of
 from ppcompile.traffic import TokenHistogram, process_histogram
 
-__all__ = ["ConcurrentCallError", "StageRuntime"]
+__all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_GRAPHS", "RECOMPILE_LIMIT",
+           "ConcurrentCallError", "StageRuntime"]
+
+# Why a stage graph's forwards stop reaching the graph path, other than the documented policy (above the
+# cap, beyond the padding guard, graph_mode="none", autograd on, lazy capture not yet): ``note_fall_off``.
+NEVER_GRAPHS = "never graphs"  # the graph's shape guards refuse every capture size
+CAPTURE_FAILED = "capture failed"  # capture="all": graphs off for a module instance
+BUCKET_CAPTURE_FAILED = "bucket capture failed"  # capture="lazy": that bucket runs eagerly
+RECOMPILE_LIMIT = "recompile limit"  # Dynamo's next recompile of the frame runs it uncompiled
+FALL_OFF_CAUSES = (NEVER_GRAPHS, CAPTURE_FAILED, BUCKET_CAPTURE_FAILED, RECOMPILE_LIMIT)
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +90,10 @@ class StageRuntime(StageInspection):
         self._track_outputs = config.debug and not config.owned_outputs
         # Live token counts served (a static graph has none); they also feed the process-wide histogram.
         self.traffic = TokenHistogram(feeds=process_histogram())
-        if self.eager_reason:
+        self._fall_offs: dict[str, str] = {}  # cause -> what happened and the fix (note_fall_off)
+        if compiled.never_graphs and compiled.eager_reason:
+            self.note_fall_off(NEVER_GRAPHS, f"every forward runs eagerly: {compiled.eager_reason}")
+        elif self.eager_reason:
             log.info("%s: every forward runs eagerly: %s", self.name, self.eager_reason)
 
     # The compiled stage's facts, by the names the public API has always used on the runtime.
@@ -174,6 +186,21 @@ class StageRuntime(StageInspection):
         spec = next((s for s in self.compiled.input_specs if s.slot == i), None)
         return f"dim {d} of input {spec.name if spec else i!r}"
 
+    def note_fall_off(self, cause: str, message: str) -> None:
+        """Records that forwards stop reaching the graph path for ``cause`` (one of
+        :data:`FALL_OFF_CAUSES`, none a documented policy): the first time per cause, one warning naming
+        the stage, the cause and ``message`` (what happened, and the fix), and ``counters.fall_offs``;
+        ``fall_offs()``, ``describe()`` and the report list it."""
+        if cause in self._fall_offs:
+            return
+        self._fall_offs[cause] = message
+        counters.fall_offs[cause] += 1
+        log.warning("%s: %s: %s", self.name, cause, message)
+
+    def fall_offs(self) -> dict[str, str]:
+        """The causes this stage graph fell off the graph path for, with what happened and the fix."""
+        return dict(self._fall_offs)
+
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -203,9 +230,7 @@ class StageRuntime(StageInspection):
             return self.run_eager(args)
         state = self._state_for(args)
         if state.failed is not None:
-            self._warn_once("failed", "%s: graphs disabled after a failed capture (%s); running eagerly",
-                            self.name, state.failed)
-            return self.run_eager(args)
+            return self.run_eager(args)  # the fall-off was noted when the capture failed
         if not state.lock.acquire(blocking=False):
             raise self._concurrent_call_error(state)
         state.owner = threading.get_ident()
@@ -331,6 +356,10 @@ class StageRuntime(StageInspection):
         except Exception as e:
             add_note(e, f"pp_breakable: graphs are off for this module instance of {self.name}; later "
                       "calls run eagerly")
+            self.note_fall_off(CAPTURE_FAILED, f"graphs are off for a module instance after its capture "
+                               f"failed ({type(e).__name__}: {e}); its forwards run eagerly. Fix the op the "
+                               "error names, make it a break (split_ops), or use capture='lazy' to keep "
+                               "the buckets that capture")
             raise
         except BaseException as e:
             self._states.pop(key, None)
@@ -372,9 +401,12 @@ class StageRuntime(StageInspection):
         except Exception as e:
             state.failed_buckets[b] = f"{type(e).__name__}: {e}"
             state.executor.forget(b)
-            self._warn_once(f"bucket {b}", "%s: capture of bucket %d failed, so the forwards it would serve "
-                            "run eagerly (the other buckets keep their graphs): %s", self.name, b,
-                            state.failed_buckets[b])
+            what = (f"capture of bucket {b} failed, so the forwards it would serve run eagerly (the other "
+                    f"buckets keep their graphs): {state.failed_buckets[b]}")
+            if BUCKET_CAPTURE_FAILED in self._fall_offs:
+                log.info("%s: %s", self.name, what)
+            self.note_fall_off(BUCKET_CAPTURE_FAILED, f"{what}; fix the op the error names, or make it a "
+                               "break (split_ops)")
             return False
         return True
 

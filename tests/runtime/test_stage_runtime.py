@@ -669,7 +669,10 @@ def test_a_failed_lazy_capture_leaves_the_other_buckets_serving(
         _check(c, m, 7)
     warnings = [r for r in caplog.records if "capture of bucket 16 failed" in r.getMessage()]
     assert len(warnings) == 1 and "no memory for bucket 16" in warnings[0].getMessage()
+    assert "bucket capture failed" in warnings[0].getMessage()  # the cause, named
     assert _runtime().captured_buckets() == {0: (8,)}
+    assert list(_runtime().fall_offs()) == ["bucket capture failed"]
+    assert counters.fall_offs == {"bucket capture failed": 1}
 
 
 def test_instrumented_wraps_replays_breaks_and_copy_in_only_inside_the_block() -> None:
