@@ -63,15 +63,15 @@ def runtimes_of(module: torch.nn.Module) -> list[StageRuntime]:
     return [rt for rt in stage_runtimes() if serves(rt)]
 
 
-def _check_recompile_budget(runtime: StageRuntime, compile_id: object | None) -> None:
+def _check_recompile_budget(runtime: StageRuntime) -> None:
     """A fall-off ahead: this is the last compile Dynamo allows the frame, so its next guard failure runs
     the stage uncompiled (ppcompile is not called again for it; Dynamo logs one line)."""
-    index = torch_internals.frame_compile_index(compile_id)
-    limit = torch_internals.recompile_limit()
-    if index is None or index + 1 < limit:
+    record = runtime.compiled.record
+    done, limit = record.frame_compile, record.recompile_limit
+    if done is None or limit is None or done < limit:
         return
     runtime.note_fall_off(RECOMPILE_LIMIT, (
-        f"this is compile {index + 1} of the stage's frame, Dynamo's recompile limit ({limit}): the next "
+        f"this is compile {done} of the stage's frame, Dynamo's recompile limit ({limit}): the next "
         "token count (or input) whose guards fail runs the stage uncompiled, without ppcompile. Mark the "
         "token dims (ppcompile.mark_token_dynamic) so one graph serves every count, remove the guard the "
         "model's code adds (TORCH_LOGS=recompiles names it), or raise torch._dynamo.config.recompile_limit; "
@@ -90,6 +90,10 @@ def _graph_name() -> str:
     compile_id = torch_internals.compile_id()
     suffix = str(compile_id).replace("/", "_") if compile_id is not None else str(len(_RUNTIMES))
     return f"stage_graph_{suffix}"
+
+
+def _nth(index: int | None) -> int | None:
+    return None if index is None else index + 1
 
 
 def _on_cuda(example_inputs: list[Any]) -> bool:
@@ -115,7 +119,9 @@ def pp_breakable(
         skip_size_asserts=segments_skip_size_asserts(config),
         segment_compiles=tuple(segment_compiles),
         compile_times=compile_times(dynamo_seconds, ctx, segment_compiles),
-        compile_id=torch_internals.compile_id(),
+        compile_id=(compile_id := torch_internals.compile_id()),
+        frame_compile=_nth(torch_internals.frame_compile_index(compile_id)),
+        recompile_limit=torch_internals.recompile_limit(),
     )
     built: list[weakref.ref[StageRuntime]] = []  # the runtime, for the report rewrite after a capture run
 
@@ -131,7 +137,7 @@ def pp_breakable(
     built.append(weakref.ref(runtime))
     _RUNTIMES.append(weakref.ref(runtime))
     _remember_state(runtime, example_inputs)
-    _check_recompile_budget(runtime, stage.record.compile_id)
+    _check_recompile_budget(runtime)
     on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())
     return runtime

@@ -122,6 +122,8 @@ def lower_stage(
     segment_compiles: tuple[SegmentCompile, ...] = (),
     compile_times: Mapping[str, float] | None = None,
     compile_id: object | None = None,
+    frame_compile: int | None = None,
+    recompile_limit: int | None = None,
 ) -> CompiledStage:
     """The frozen stage: ``split`` (after the passes) with its compiled segment callables.
     ``skip_size_asserts``: the compiled segments do not check their inputs' sizes and strides (the live
@@ -158,5 +160,7 @@ def lower_stage(
             compile_times=types.MappingProxyType(dict(compile_times or {})),
             segment_compiles=tuple(segment_compiles),
             compile_id=compile_id,
+            frame_compile=frame_compile,
+            recompile_limit=recompile_limit,
         ),
     )

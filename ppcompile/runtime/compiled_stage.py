@@ -34,6 +34,9 @@ class CompileRecord:
     compile_times: Mapping[str, float] = dataclasses.field(default_factory=lambda: _EMPTY)
     segment_compiles: tuple[SegmentCompile, ...] = ()
     compile_id: object | None = None  # Dynamo's CompileId, for TORCH_TRACE artifacts
+    # The recompile budget: which compile of its frame this is (1 for the first) and Dynamo's limit.
+    frame_compile: int | None = None
+    recompile_limit: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

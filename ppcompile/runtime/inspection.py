@@ -61,6 +61,9 @@ class StageInspection:
         c = self.compiled
         lines = [f"{c.name}: {len(c.segments)} segments, graph mode {c.graph_mode}, "
                  f"buckets {len(c.plan.sizes)} up to {c.plan.cap}"]
+        if c.record.frame_compile is not None:
+            lines.append(f"  recompile budget: compile {c.record.frame_compile} of its frame, Dynamo's limit "
+                         f"{c.record.recompile_limit}")
         if c.eager_reason:
             lines.append(f"  always eager: {c.eager_reason}")
         for cause, message in self.fall_offs().items():

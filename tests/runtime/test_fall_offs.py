@@ -108,8 +108,10 @@ def test_the_last_compile_the_recompile_limit_allows_is_announced(caplog: pytest
             out = _call(c, 7, mark=False)  # past the limit: Dynamo runs the frame uncompiled
     (warning,) = _warnings(caplog, "recompile limit")
     assert "Dynamo's recompile limit (2)" in warning and "mark_token_dynamic" in warning
-    last = ppcompile.runtimes_of(c)[-1]
+    first, last = ppcompile.runtimes_of(c)
     assert "recompile limit" in last.fall_offs() and "recompile limit" in last.describe()
+    assert "recompile budget: compile 1 of its frame, Dynamo's limit 2" in first.describe()
+    assert build_report(last)["recompile_budget"] == {"frame_compile": 2, "limit": 2}
     assert out.shape == (7, H)
 
 
