@@ -11,9 +11,15 @@ call; ``StageRuntime`` inherits them from :class:`StageInspection`, so they are 
 
 from __future__ import annotations
 
+import sympy
+import torch
+
+from ppcompile.records import BreakReason, Segment
+from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.codegen import LiveForward
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.instance import StageInstance
+from ppcompile.runtime.program import Program
 
 __all__ = ["StageInspection"]
 
@@ -24,6 +30,47 @@ class StageInspection:
 
     compiled: CompiledStage
     live_forward: LiveForward
+
+    # The compiled stage's facts, by the names the public API has always used on the runtime.
+    @property
+    def name(self) -> str:
+        return self.compiled.name
+
+    @property
+    def program(self) -> Program:
+        return self.compiled.program
+
+    @property
+    def plan(self) -> BucketPlan:
+        return self.compiled.plan
+
+    @property
+    def graph_mode(self) -> str:
+        return self.compiled.graph_mode
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return self.compiled.segments
+
+    @property
+    def break_reasons(self) -> list[BreakReason]:
+        return self.compiled.break_reasons
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.compiled.layer_ids
+
+    @property
+    def token_symbol(self) -> sympy.Symbol | None:
+        return self.compiled.token_symbol
+
+    @property
+    def eager_reason(self) -> str | None:
+        return self.compiled.eager_reason
+
+    @property
+    def split_module(self) -> torch.fx.GraphModule | None:
+        return self.compiled.record.split_module
 
     def instances(self) -> tuple[StageInstance, ...]:
         """The captured state of each module instance served so far (``StageRuntime``)."""

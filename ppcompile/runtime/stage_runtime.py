@@ -33,15 +33,13 @@ import torch
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.errors import add_note
-from ppcompile.records import BreakReason, Segment
-from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.codegen import make_live_forward
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.graph_path import Wrap
 from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureRecord
-from ppcompile.runtime.program import Program, Ref
+from ppcompile.runtime.program import Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.validation import aliased_slots, check_inputs, storages_of
 from ppcompile.traffic import TokenHistogram, process_histogram
@@ -95,47 +93,6 @@ class StageRuntime(StageInspection):
             self.note_fall_off(NEVER_GRAPHS, f"every forward runs eagerly: {compiled.eager_reason}")
         elif self.eager_reason:
             log.info("%s: every forward runs eagerly: %s", self.name, self.eager_reason)
-
-    # The compiled stage's facts, by the names the public API has always used on the runtime.
-    @property
-    def name(self) -> str:
-        return self.compiled.name
-
-    @property
-    def program(self) -> Program:
-        return self.compiled.program
-
-    @property
-    def plan(self) -> BucketPlan:
-        return self.compiled.plan
-
-    @property
-    def graph_mode(self) -> str:
-        return self.compiled.graph_mode
-
-    @property
-    def segments(self) -> tuple[Segment, ...]:
-        return self.compiled.segments
-
-    @property
-    def break_reasons(self) -> list[BreakReason]:
-        return self.compiled.break_reasons
-
-    @property
-    def layer_ids(self) -> tuple[int, ...]:
-        return self.compiled.layer_ids
-
-    @property
-    def token_symbol(self) -> sympy.Symbol | None:
-        return self.compiled.token_symbol
-
-    @property
-    def eager_reason(self) -> str | None:
-        return self.compiled.eager_reason
-
-    @property
-    def split_module(self) -> torch.fx.GraphModule | None:
-        return self.compiled.record.split_module
 
     # ----------------------------------------------------------------------------------- state
     def instances(self) -> tuple[StageInstance, ...]:
