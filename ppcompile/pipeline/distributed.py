@@ -13,11 +13,15 @@ which every rank knows), so a batch is one message per proxy, in spec order.
 Send safety: a compiled stage's outputs may be views into static buffers that its next call overwrites
 (DESIGN invariant 4), and a send reads its tensor until its work completes (gloo reads it only when the
 receiver posts the matching recv). ``send_mode="wait"`` therefore completes the previous batch's sends
-before the stage runs again; ``send_mode="copy"`` sends owned copies instead.
+before the stage runs again; ``send_mode="copy"`` sends owned copies instead; ``send_mode="ring"``
+compiles with ``output_slots=k`` (default 2: each forward's outputs stay valid until forward i + k
+starts) and keeps up to k - 1 batches of sends in flight, so the stage computes batch i + 1 while batch
+i is still on the wire, with no copy (a wait on an NCCL send orders the compute stream, not the host).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import logging
@@ -54,7 +58,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 """Process-group timeout: a recv or send that waits longer than this raises instead of hanging."""
 
-SEND_MODES = ("wait", "copy")
+SEND_MODES = ("wait", "copy", "ring")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool)  # wire codes: index in this tuple
 
@@ -134,7 +138,8 @@ class DistributedStage:
             marked dynamic instead (``mark_token_dynamic``): one symbolic graph from the first call,
             without ``dynamic=True``'s per-call float inputs.
         send_mode: ``"wait"`` completes the previous batch's sends before the stage runs again;
-            ``"copy"`` sends owned copies (the stage may overwrite its outputs at once).
+            ``"copy"`` sends owned copies (the stage may overwrite its outputs at once); ``"ring"`` keeps
+            ``output_slots - 1`` batches of sends in flight (``options["output_slots"]``, default 2).
     """
 
     def __init__(
@@ -149,11 +154,17 @@ class DistributedStage:
         dynamic: bool | None = None,
         send_mode: str = "wait",
     ) -> None:
+        if send_mode not in SEND_MODES:
+            raise ValueError(f"DistributedStage: send_mode must be one of {SEND_MODES}, got {send_mode!r}")
+        options = dict(options or {})
+        if send_mode == "ring":
+            options.setdefault("output_slots", 2)
+            if not isinstance(options["output_slots"], int) or options["output_slots"] < 2:
+                raise ValueError("DistributedStage: send_mode='ring' needs options['output_slots'] >= 2 "
+                                 f"(outputs valid for that many forwards), got {options['output_slots']!r}")
         if not dist.is_initialized():
             raise RuntimeError("DistributedStage: torch.distributed is not initialised; call "
                                "init_pipeline_group() (or run under torchrun / spawn_ranks) first")
-        if send_mode not in SEND_MODES:
-            raise ValueError(f"DistributedStage: send_mode must be one of {SEND_MODES}, got {send_mode!r}")
         self.cfg = cfg
         self.group = group
         self.rank = dist.get_rank(group)
@@ -162,6 +173,8 @@ class DistributedStage:
         self.is_last = self.rank == self.world_size - 1
         self.device = torch.device(device) if device is not None else default_device(group)
         self.send_mode = send_mode
+        # Batches whose sends may still be in flight when the stage runs again.
+        self.in_flight = int(options["output_slots"]) - 1 if send_mode == "ring" else 0
         self.stage = stage if stage is not None else make_stage(cfg, self.rank, self.world_size, self.device)
         self.layers = stage_layer_range(cfg, self.stage, self.rank, self.world_size)
         self.binding = StageBinding.of(self.stage)
@@ -170,12 +183,14 @@ class DistributedStage:
         if compiled:
             raise_recompile_limit(STAGE_RECOMPILE_LIMIT)
             self.module = torch.compile(  # type: ignore[assignment]
-                self.stage, backend="pp_breakable", dynamic=dynamic, options=dict(options or {})
+                self.stage, backend="pp_breakable", dynamic=dynamic, options=options
             )
         self.trace: StageTrace | None = None
         self._send_spec: ProxySpec | None = None
         self._recv_spec: ProxySpec | None = None
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight, with what they read
+        # Sends in flight, one list per batch (oldest first), with the tensors they read.
+        self._pending: collections.deque[list[tuple[dist.Work, torch.Tensor]]] = collections.deque()
+        self.max_batches_in_flight = 0  # the most batches whose sends were in flight as the stage ran
 
     def forward(
         self,
@@ -196,8 +211,10 @@ class DistributedStage:
             raise ValueError(f"DistributedStage rank {self.rank}: seq_lens {list(seq_lens)} sum to "
                              f"{num_tokens}, positions has {positions.shape[0]} tokens")
         proxies = None if self.is_first else self.recv_proxies(num_tokens)
-        if self.send_mode == "wait":
-            self.wait_sends()  # the stage may overwrite the outputs the previous sends still read
+        if self.send_mode != "copy":
+            # The stage may overwrite the outputs of all but the last ``in_flight`` forwards.
+            self.wait_sends(keep=self.in_flight)
+        self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._pending))
         out = self.run_local(
             positions, seq_lens,
             input_ids=input_ids if self.is_first else None,
@@ -235,7 +252,8 @@ class DistributedStage:
     def send_proxies(self, proxies: Any, num_tokens: int) -> None:
         """Starts asynchronous sends of ``proxies`` to the next rank (the spec first, once)."""
         spec = ProxySpec.of(proxies, num_tokens, self.rank)
-        self.wait_sends()  # at most one batch in flight (a no-op in "wait" mode: forward waited already)
+        self.wait_sends(keep=self.in_flight)  # "copy": one batch in flight; "wait": done already
+        self._pending.append([])  # this batch's sends (the spec's too, with the first)
         if self._send_spec is None:
             header = spec.encode(self.device)
             self._isend(torch.tensor([header.numel()], dtype=torch.int64, device=self.device))
@@ -267,18 +285,20 @@ class DistributedStage:
                 work.wait()
         return PPProxyTensors(tensors)
 
-    def wait_sends(self) -> None:
-        """Blocks until every send this rank started has completed; their tensors may then change."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+    def wait_sends(self, keep: int = 0) -> None:
+        """Waits for the sends of all but the last ``keep`` batches (default: every send this rank
+        started); their tensors may then change. With NCCL a wait orders the current stream after the
+        send; with gloo it blocks until the send completed."""
+        while len(self._pending) > keep:
+            for work, _ in self._pending.popleft():
+                work.wait()
 
     flush = wait_sends
 
     def _isend(self, t: torch.Tensor) -> None:
         work = dist.isend(t, group=self.group, group_dst=self.rank + 1)
         if work is not None:
-            self._pending.append((work, t))  # keeps t alive while the send reads it
+            self._pending[-1].append((work, t))  # keeps t alive while the send reads it
 
     def _recv(self, t: torch.Tensor) -> None:
         dist.recv(t, group=self.group, group_src=self.rank - 1)

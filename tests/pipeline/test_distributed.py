@@ -61,6 +61,7 @@ def _pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
         stage_module = EmbedsFirstStage(make_stage(cfg, 0, world))
     options = {"graph_mode": "emulate", **job["options"][rank]}  # the graph path ("auto": live on CPU)
     stage = DistributedStage(cfg, options=options, stage=stage_module, send_mode=job.get("send_mode", "wait"))
+    stage.in_flight = job.get("in_flight", stage.in_flight)  # a test may break the send-safety rule
     paths, logits = [], []
     with torch.inference_mode():
         for i, lens in enumerate(job["stream"]):
@@ -74,7 +75,8 @@ def _pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
             if out is not None:
                 logits.append(out.clone())
     stage.wait_sends()
-    return {"paths": paths, "logits": logits, "compiles": ppcompile.counters.backend_compiles}
+    return {"paths": paths, "logits": logits, "compiles": ppcompile.counters.backend_compiles,
+            "in_flight": stage.max_batches_in_flight}
 
 
 def _failing_worker(rank: int, world: int, fail_rank: int, fail_step: int) -> None:
@@ -135,6 +137,38 @@ def test_two_ranks_embeds_stage_copy_mode_match_eager() -> None:
     _check_logits(results[-1]["logits"], _reference(CFG, 2, stream), stream)
     assert results[0]["logits"] == []
     assert all("graph" in r["paths"] for r in results)
+
+
+def test_ring_mode_keeps_a_batch_on_the_wire_while_the_next_runs_and_matches_eager() -> None:
+    """send_mode='ring' (output_slots 2): a sender runs batch i + 1 while batch i's sends wait for a slow
+    receiver, without copies, and the logits equal eager's."""
+    stream = _stream(seed=3, count=4)
+    options = [{"capture_sizes": [8, 16, 32, 64]}, {"capture_sizes": [8, 16, 32, 64]},
+               {"capture_sizes": [16, 64]}]
+    job = {"cfg": CFG, "stream": stream, "options": options, "slow_rank": 2, "send_mode": "ring"}
+    results = spawn_ranks(_pipeline_worker, 3, args=(job,), threads=1, timeout_s=120)
+    _check_logits(results[-1]["logits"], _reference(CFG, 3, stream), stream)
+    assert all("graph" in r["paths"] for r in results)
+    assert [r["in_flight"] for r in results[:2]] == [1, 1]  # a batch on the wire as the next one ran
+
+
+def test_a_batch_on_the_wire_without_the_ring_gives_wrong_logits() -> None:
+    """The ring has teeth: the same schedule with one output slot (views the next forward overwrites)
+    corrupts batches a slow receiver reads late."""
+    stream = _stream(seed=3, count=4)
+    options = [{"capture_sizes": [8, 16, 32, 64]}, {"capture_sizes": [8, 16, 32, 64]},
+               {"capture_sizes": [16, 64]}]
+    job = {"cfg": CFG, "stream": stream, "options": options, "slow_rank": 2, "in_flight": 1}
+    results = spawn_ranks(_pipeline_worker, 3, args=(job,), threads=1, timeout_s=120)
+    want = _reference(CFG, 3, stream)
+    wrong = [i for i, (g, w) in enumerate(zip(results[-1]["logits"], want))
+             if not torch.allclose(g, w, atol=1e-5)]
+    assert wrong, "a batch sent from graph memory the next forward overwrote must arrive corrupted"
+
+
+def test_ring_mode_needs_two_output_slots() -> None:
+    with pytest.raises(ValueError, match=r"output_slots'\] >= 2"):
+        DistributedStage(CFG, options={"output_slots": 1}, send_mode="ring")
 
 
 def test_failing_rank_fails_the_run_with_its_error() -> None:
