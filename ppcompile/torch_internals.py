@@ -24,7 +24,7 @@ from ppcompile.errors import add_note
 __all__ = [
     "C_SCALED_DOT_PRODUCT_ATTENTION", "OpOverload", "OpOverloadPacket", "TorchInternalsError",
     "compile_id", "cuda_graph_capture", "current_shape_env", "custom_op_implementation", "custom_op_module",
-    "data_dependent_errors", "dynamo_compile_start_ns",
+    "data_dependent_errors", "dynamo_compile_start_ns", "dynamo_generation",
     "floats_specialized", "frame_compile_index",
     "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol", "mark_dynamic",
     "raise_recompile_limit", "recompile_limit", "register_backend", "reset_dynamo", "restart_analysis",
@@ -203,6 +203,27 @@ def register_backend(fn: Callable[..., Any], name: str) -> None:
     if name in _lookup(registry, "_COMPILER_FNS", why) or _lookup(registry, "_BACKENDS", why).get(name):
         return
     _lookup(registry, "register_backend", why)(fn, name=name)
+
+
+def _reset_sentinel(*args: Any, **kwargs: Any) -> None:
+    """A compile-start callback that does nothing: its presence says Dynamo was not reset since."""
+
+
+_GENERATION = {"count": 0, "registered": False}
+
+
+def dynamo_generation() -> int:
+    """How many times Dynamo has been reset (``torch._dynamo.reset``) since ppcompile first asked: a
+    reset clears Dynamo's compile callbacks, among them a no-op one registered here, so its absence
+    marks a reset (and it is registered again)."""
+    why = "to tell the stage graphs of a reset Dynamo from the live ones"
+    handler = _lookup("torch._dynamo.callback", "callback_handler", why)
+    if _reset_sentinel not in _attr(handler, "start_callbacks", "torch._dynamo.callback_handler", why):
+        if _GENERATION["registered"]:
+            _GENERATION["count"] += 1
+        handler.register_start_callback(_reset_sentinel)
+        _GENERATION["registered"] = True
+    return _GENERATION["count"]
 
 
 def reset_dynamo() -> None:

@@ -104,7 +104,10 @@ def test_dynamo_entries() -> None:
     ti.register_backend(ppcompile.pp_breakable, ppcompile.BACKEND_NAME)  # known already: nothing happens
     ti.register_backend(lambda gm, inputs: gm.forward, "pptest_internals_backend")
     assert "pptest_internals_backend" in torch._dynamo.list_backends(exclude_tags=())
+    generation = ti.dynamo_generation()
+    assert ti.dynamo_generation() == generation  # no reset in between
     ti.reset_dynamo()
+    assert ti.dynamo_generation() == generation + 1
     limit = torch._dynamo.config.recompile_limit
     assert ti.recompile_limit() == limit
     ti.raise_recompile_limit(1)  # already higher: unchanged

@@ -35,15 +35,18 @@ __all__ = ["pp_breakable", "runtimes_of", "stage_runtimes"]
 
 log = logging.getLogger(__name__)
 
-_RUNTIMES: list[weakref.ref[StageRuntime]] = []
+_RUNTIMES: list[tuple[weakref.ref[StageRuntime], int]] = []  # with the Dynamo generation that built it
 # Per runtime (by id, while alive): the parameters and buffers its stage graph was compiled reading.
 _MODULE_STATE: dict[int, weakref.WeakSet[torch.Tensor]] = {}
 
 
 def stage_runtimes() -> list[StageRuntime]:
-    """The stage runtimes this process has built that are still alive, oldest first."""
-    alive = [r() for r in _RUNTIMES]
-    return [r for r in alive if r is not None]
+    """The stage runtimes this process has built that are still alive, oldest first; those built before
+    the last ``torch._dynamo.reset()`` are left out (Dynamo no longer calls them)."""
+    generation = torch_internals.dynamo_generation()
+    _RUNTIMES[:] = [(ref, gen) for ref, gen in _RUNTIMES if gen == generation and ref() is not None]
+    alive = [ref() for ref, _ in _RUNTIMES]
+    return [rt for rt in alive if rt is not None]
 
 
 def runtimes_of(module: torch.nn.Module) -> list[StageRuntime]:
@@ -135,7 +138,7 @@ def pp_breakable(
 
     runtime = StageRuntime(stage, config, observer=capture_recorder)  # capture runs -> debug
     built.append(weakref.ref(runtime))
-    _RUNTIMES.append(weakref.ref(runtime))
+    _RUNTIMES.append((weakref.ref(runtime), torch_internals.dynamo_generation()))
     _remember_state(runtime, example_inputs)
     _check_recompile_budget(runtime)
     on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE

@@ -51,3 +51,15 @@ def test_an_always_eager_graph_describes_its_segments_as_run_eagerly() -> None:
     (rt,) = ppcompile.runtimes_of(c)
     assert rt.eager_reason is not None
     assert "graph segment, run eagerly (always eager)" in rt.describe()
+
+
+def test_runtimes_of_a_reset_dynamo_are_dropped_even_while_referenced() -> None:
+    c = torch.compile(Tiny(), backend="pp_breakable", options=OPTIONS)
+    _call(c, 5)
+    (kept,) = ppcompile.runtimes_of(c)
+    assert kept in ppcompile.stage_runtimes()
+    torch._dynamo.reset()
+    assert kept not in ppcompile.stage_runtimes() and ppcompile.runtimes_of(c) == []
+    _call(c, 6)  # Dynamo compiles the module again: a new runtime, listed
+    (fresh,) = ppcompile.runtimes_of(c)
+    assert fresh is not kept and ppcompile.stage_runtimes() == [fresh]
