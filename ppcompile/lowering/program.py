@@ -117,10 +117,13 @@ def _buffer_plans(slots: Mapping[torch.fx.Node, int], steps: Sequence[_Traced],
     return plans
 
 
-def _output_ring(outputs: Sequence[Any], steps: Sequence[Step], depth: int) -> OutputRing | None:
-    """The ring of ``depth`` slots for the outputs that live in static memory, if any and ``depth`` > 1."""
+def _output_ring(outputs: Sequence[Any], steps: Sequence[Step], depth: int,
+                 input_layouts: Mapping[int, tuple[str, TensorLayout]]) -> OutputRing | None:
+    """The ring of ``depth`` slots for the outputs that live in static memory, if any and ``depth`` > 1:
+    graph outputs read at the live size, and static values a graph wrote in place (an input among them,
+    laid out as traced)."""
     static = {s for st in steps if isinstance(st, GraphStep) for s in (*st.live_views, *st.writes_buffers)}
-    layouts: dict[int, TensorLayout] = {}
+    layouts = {s: layout for s, (_, layout) in input_layouts.items()}
     for st in steps:
         for i, s in st.writes:
             layout = st.out_layouts[i] if i < len(st.out_layouts) else None
@@ -221,7 +224,7 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
         token_dims=token_dims,
         buffers=buffers,
         copy_in=copy_in,
-        input_layouts={slots[p]: (p.name, TensorLayout.of(ev)) for p in placeholders
-                       if isinstance(ev := example_value(p), torch.Tensor)},
-        output_ring=_output_ring(outputs, steps, output_slots),
+        input_layouts=(input_layouts := {slots[p]: (p.name, TensorLayout.of(ev)) for p in placeholders
+                                         if isinstance(ev := example_value(p), torch.Tensor)}),
+        output_ring=_output_ring(outputs, steps, output_slots, input_layouts),
     )

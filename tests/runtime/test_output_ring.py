@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from mixer_stage import MixerStage, register_mixer
 
 import ppcompile
+from ppcompile.models.layers import fused_add_rms_norm
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.runtime.stale_outputs import StaleOutputError
 
@@ -139,3 +140,42 @@ def test_the_report_shows_the_ring() -> None:
         runtime(torch.randn(5, H), torch.ones(H, H))
     ring = build_report(runtime)["output_ring"]
     assert ring == {"slots": 2, "outputs": ["g2[0]"], "bytes_per_slot": CAP * H * 4, "copies_per_forward": 1}
+
+
+class WritesItsInput(torch.nn.Module):
+    """A non-first PP stage's first layer as vLLM writes it: ``fused_add_rms_norm(x, residual)`` (a
+    token-local op writing both inputs in a graph, that is their static buffers) | break (mixer) |
+    graph; returns the written residual too, so an output in the ring is a static input buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(H, H), torch.nn.Linear(H, H)
+        self.weight = torch.nn.Parameter(torch.ones(H))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused_add_rms_norm(x, residual, self.weight, 1e-6)
+        return self.down(RING_MIXER(self.up(x))) + residual, residual
+
+
+def test_an_input_a_graph_writes_and_the_stage_returns_stays_right_with_a_ring() -> None:
+    """Dynamo returns an input it hands back itself (the caller's tensor, which the graph path updates
+    at the end of the call), so only the graph output goes into the ring; both read one forward late
+    equal eager's."""
+    m = WritesItsInput()
+    c = torch.compile(m, backend="pp_breakable", options={
+        "graph_mode": "emulate", "capture_sizes": [4, 8, CAP], "output_slots": 2})
+    pending: list[tuple[Any, Any]] = []
+    with torch.no_grad():
+        for i, n in enumerate([5, 8, 12, 6]):
+            g = torch.Generator().manual_seed(i)
+            x, r = torch.randn(n, H, generator=g), torch.randn(n, H, generator=g)
+            mine, theirs = (x.clone(), r.clone()), (x.clone(), r.clone())
+            ppcompile.mark_token_dynamic(*mine)
+            pending.append((c(*mine), m(*theirs)))
+            if len(pending) > 1:
+                for got, want in zip(*pending.pop(0)):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    (runtime,) = [rt for rt in ppcompile.runtimes_of(m) if rt.token_symbol is not None]
+    ring = runtime.program.output_ring
+    assert ring is not None and len(ring.slots) == 1 and runtime.program.written_inputs
