@@ -4,42 +4,25 @@ one module (recompiles included), never another instance's."""
 from __future__ import annotations
 
 import torch
+from tiny_stage import H, Tiny, call
 
 import ppcompile
 
-H = 8
 OPTIONS = {"graph_mode": "emulate", "capture_sizes": [4, 8, 16]}
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(H, H)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.lin(x))
-
-
-def _call(compiled: torch.nn.Module, n: int) -> None:
-    x = torch.randn(n, H)
-    if n > 1:
-        ppcompile.mark_token_dynamic(x)
-    with torch.no_grad():
-        compiled(x)
 
 
 def test_runtimes_of_finds_a_modules_runtimes_recompiles_included_oldest_first() -> None:
     first, second = Tiny(), Tiny()
     c1 = torch.compile(first, backend="pp_breakable", options=OPTIONS)
-    _call(c1, 5)
-    _call(c1, 1)  # a 1-token call: Dynamo traces a static graph, a second runtime of the module
+    call(c1, 5)
+    call(c1, 1)  # a 1-token call: Dynamo traces a static graph, a second runtime of the module
     mine = ppcompile.runtimes_of(c1)
     assert [rt.token_symbol is not None for rt in mine] == [True, False]  # oldest first
     assert ppcompile.runtimes_of(first) == mine
     assert ppcompile.runtimes_of(second) == []  # not served yet
     # Dynamo serves a second instance of the class with the same stage graph (its parameters are graph
     # inputs): the runtime keeps an instance per module, and is found from both.
-    _call(torch.compile(second, backend="pp_breakable", options=OPTIONS), 6)
+    call(torch.compile(second, backend="pp_breakable", options=OPTIONS), 6)
     (shared,) = ppcompile.runtimes_of(second)
     assert shared is mine[0] and len(shared.instances()) == 2
     assert ppcompile.runtimes_of(torch.nn.Linear(H, H)) == []
@@ -47,7 +30,7 @@ def test_runtimes_of_finds_a_modules_runtimes_recompiles_included_oldest_first()
 
 def test_an_always_eager_graph_describes_its_segments_as_run_eagerly() -> None:
     c = torch.compile(Tiny(), backend="pp_breakable", options=OPTIONS)
-    _call(c, 1)
+    call(c, 1)
     (rt,) = ppcompile.runtimes_of(c)
     assert rt.eager_reason is not None
     assert "graph segment, run eagerly (always eager)" in rt.describe()
@@ -55,11 +38,11 @@ def test_an_always_eager_graph_describes_its_segments_as_run_eagerly() -> None:
 
 def test_runtimes_of_a_reset_dynamo_are_dropped_even_while_referenced() -> None:
     c = torch.compile(Tiny(), backend="pp_breakable", options=OPTIONS)
-    _call(c, 5)
+    call(c, 5)
     (kept,) = ppcompile.runtimes_of(c)
     assert kept in ppcompile.stage_runtimes()
     torch._dynamo.reset()
     assert kept not in ppcompile.stage_runtimes() and ppcompile.runtimes_of(c) == []
-    _call(c, 6)  # Dynamo compiles the module again: a new runtime, listed
+    call(c, 6)  # Dynamo compiles the module again: a new runtime, listed
     (fresh,) = ppcompile.runtimes_of(c)
     assert fresh is not kept and ppcompile.stage_runtimes() == [fresh]

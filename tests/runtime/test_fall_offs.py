@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_stage import H, Tiny, call
 
 import ppcompile
 from ppcompile.debug.html import render_html
@@ -16,18 +17,8 @@ from ppcompile.debug.table import format_report
 from ppcompile.runtime.executors import EmulatedGraphExecutor
 from ppcompile.runtime.stage_runtime import StageRuntime
 
-H = 8
 OPTIONS = {"graph_mode": "emulate", "capture_sizes": [8, 16]}
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(H, H)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.lin(x))
 
 
 class ChunkPadder(Tiny):
@@ -39,15 +30,6 @@ class ChunkPadder(Tiny):
         pad = self.lin(torch.ones((16 - x.shape[0] % 16) % 16, H))
         chunked = torch.cat([self.lin(x), pad]).view(-1, 16, H).cumsum(1).view(-1, H)
         return self.lin(chunked[: x.shape[0]])
-
-
-def _call(c: Any, n: int, mark: bool = True) -> torch.Tensor:
-    x = torch.randn(n, H)
-    if mark:
-        ppcompile.mark_token_dynamic(x)
-    with torch.no_grad():
-        out: torch.Tensor = c(x)
-    return out
 
 
 def _only(c: Any) -> StageRuntime:
@@ -67,7 +49,7 @@ def test_a_graph_whose_guards_refuse_every_bucket_says_it_never_graphs(
     with caplog.at_level("WARNING", logger="ppcompile"), ppcompile.counters.expect(
             fall_offs={"never graphs": 1}, replays=0):
         for _ in range(3):
-            _call(c, 15)
+            call(c, 15)
     rt = _only(c)
     (warning,) = _warnings(caplog, "never graphs")
     assert rt.name in warning and "guards fail at 8, 16" in warning and "capture_sizes" in warning
@@ -87,9 +69,9 @@ def test_a_failed_capture_is_one_warning_and_one_count(caplog: pytest.LogCapture
     with caplog.at_level("WARNING", logger="ppcompile"), ppcompile.counters.expect(
             fall_offs={"capture failed": 1}):
         with pytest.raises(RuntimeError, match="no memory"):
-            _call(c, 5)
+            call(c, 5)
         for n in (6, 9, 12):  # eagerly from now on, and quietly
-            _call(c, n)
+            call(c, n)
     (warning,) = _warnings(caplog, "capture failed")
     assert "no memory" in warning and "capture='lazy'" in warning
     assert list(_only(c).fall_offs()) == ["capture failed"]
@@ -103,9 +85,9 @@ def test_the_last_compile_the_recompile_limit_allows_is_announced(caplog: pytest
     with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level("WARNING", logger="ppcompile"):
         with ppcompile.counters.expect(backend_compiles=2, fall_offs={"recompile limit": 1}):
             for n in (5, 6):
-                _call(c, n, mark=False)
+                call(c, n, mark=False)
         with ppcompile.counters.expect(backend_compiles=0, replays=0, eager_runs=0):
-            out = _call(c, 7, mark=False)  # past the limit: Dynamo runs the frame uncompiled
+            out = call(c, 7, mark=False)  # past the limit: Dynamo runs the frame uncompiled
     (warning,) = _warnings(caplog, "recompile limit")
     assert "Dynamo's recompile limit (2)" in warning and "mark_token_dynamic" in warning
     first, last = ppcompile.runtimes_of(c)
@@ -122,6 +104,6 @@ def test_policy_is_no_fall_off(caplog: pytest.LogCaptureFixture) -> None:
     live = torch.compile(Tiny(), backend="pp_breakable", options={"graph_mode": "none"})
     with caplog.at_level("WARNING", logger="ppcompile"), ppcompile.counters.expect(fall_offs={}):
         for n in (5, 3, 20, 1):  # a bucket, beyond the guard, above the cap, one token
-            _call(c, n, mark=n > 1)
-        _call(live, 5)
+            call(c, n)  # marked unless one token
+        call(live, 5)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
