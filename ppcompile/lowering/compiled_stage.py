@@ -75,9 +75,10 @@ def batch_first_hint(example_inputs: Iterable[Any]) -> str:
     return ""
 
 
-def _eager_reason(
-    ctx: PassContext, program: Program, plan: BucketPlan, config: PPBreakableConfig, graph_mode: str
+def _policy_reason(
+    ctx: PassContext, program: Program, config: PPBreakableConfig, graph_mode: str
 ) -> str | None:
+    """Why every forward runs eagerly by a documented policy or limit of ppcompile's, or None."""
     if ctx.is_static:
         return (
             "Dynamo traced concrete token sizes: it always does for a 1-token batch, for the first "
@@ -96,8 +97,6 @@ def _eager_reason(
                 return f"graph segment {st.segment.name} reads a non-tensor input (slot {r.slot})"
     if not program.graph_steps:
         return "the stage has no graph segments"
-    if not plan.sizes:
-        return never_graphs_reason(plan)
     return None
 
 
@@ -136,6 +135,8 @@ def lower_stage(
     tensor_slots = tuple(i for i, k in enumerate(kinds) if k is InputKind.TENSOR)
     known = {e for _, e in symbol_slots} | ({ctx.token_symbol} if ctx.token_symbol else set())
     plan = make_bucket_plan(config, _admitted_by(ctx))
+    policy = _policy_reason(ctx, program, config, graph_mode)
+    never_graphs = policy is None and not plan.sizes  # a fall-off, not a policy: the runtime warns
     return CompiledStage(
         name=name,
         graph_mode=graph_mode,
@@ -152,8 +153,8 @@ def lower_stage(
         input_specs=input_specs(ctx.static_inputs, known),
         live_checks=tuple(checked_values(program, tensor_slots, known))
         if skip_size_asserts and not ctx.is_static else (),
-        eager_reason=(reason := _eager_reason(ctx, program, plan, config, graph_mode)),
-        never_graphs=reason is not None and reason == never_graphs_reason(plan),
+        eager_reason=policy or (never_graphs_reason(plan) if never_graphs else None),
+        never_graphs=never_graphs,
         record=CompileRecord(
             split_module=split,
             pass_times=types.MappingProxyType(dict(ctx.pass_times)),
