@@ -107,13 +107,12 @@ class StageRuntime(StageInspection):
 
     @contextlib.contextmanager
     def instrumented(self, wrap: Wrap) -> Iterator[None]:
-        """While open, graph-path calls run with their parts wrapped by ``wrap(category, fn)``: graph
-        replays as ``"graph replays"``, break segments as ``"break segments"``, copies of live inputs into
-        static buffers as ``"copy-in"`` and of break outputs into bridges as ``"bridge copies"`` (for
-        profilers and benchmarks: ``bench/overhead.py``, ``bench/launches.py``). Each instance binds the
-        wrapped path at its first call inside a block and keeps it for later blocks with the same
-        ``wrap`` (``graph_path.py``); calls outside run the plain path. Not for use while other threads
-        call the stage."""
+        """While open, graph-path calls run with their parts wrapped by ``wrap(category, fn)``, one
+        category per kind of work (``graph_path.CATEGORIES``: graph replays, break segments, copy-in,
+        bridge copies, output copies), for profilers and benchmarks (``bench/overhead.py``,
+        ``bench/launches.py``). Each instance binds the wrapped path at its first call inside a block and
+        keeps it for later blocks with the same ``wrap``; calls outside run the plain path. Not for use
+        while other threads call the stage."""
         saved, self._wrap = self._wrap, wrap
         try:
             yield
