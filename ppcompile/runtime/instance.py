@@ -69,14 +69,12 @@ class StageInstance:
     @property
     def input_buffers(self) -> Mapping[int, torch.Tensor]:
         """Static input buffers by input slot (at the largest bucket)."""
-        roles = self._compiled.program.buffers
-        return types.MappingProxyType({s: b for s, b in self._buffers.items() if roles[s].role == "input"})
+        return types.MappingProxyType({s: self._buffers[s] for s in self._compiled.program.input_buffers})
 
     @property
     def bridge_buffers(self) -> Mapping[int, torch.Tensor]:
         """Static bridges (break outputs that graphs read) by slot."""
-        roles = self._compiled.program.buffers
-        return types.MappingProxyType({s: b for s, b in self._buffers.items() if roles[s].role == "bridge"})
+        return types.MappingProxyType({s: self._buffers[s] for s in self._compiled.program.bridge_buffers})
 
     @property
     def captured_buckets(self) -> tuple[int, ...]:
