@@ -134,6 +134,17 @@ class PPBreakableConfig:
             ``i mod k`` of a ring and returns views of it (one copy per such output per forward; memory:
             k times those outputs at the largest bucket), so a PP loop can send forward i's outputs
             while forward i + 1 runs.
+        collective_ops: engine-style collective custom ops the stage calls (an all-reduce registered
+            with ``torch.library.custom_op``, out-of-place or in-place), as ``"namespace::op"`` strings or
+            op objects: row i of each output combines row i of the input across the ranks of the group,
+            so they stay in graph segments like Dynamo's functional collectives, and the stage's
+            decisions are agreed across ``tp_group``. Their Python implementations are never run at
+            compile time.
+        tp_group: the process group whose ranks run this stage's collectives together (its TP group).
+            Its ranks take the same path and bucket on every forward: decisions that could differ (a
+            capture that fails, a capture budget) are agreed with a few collectives at capture time,
+            none per forward. Default: the group the stage's traced collectives name; a stage that calls
+            ``collective_ops`` in a world of more than one rank must be given it.
     """
 
     capture_sizes: tuple[int, ...] | None = None
@@ -155,6 +166,8 @@ class PPBreakableConfig:
     debug: bool = False
     owned_outputs: bool = False
     output_slots: int = 1
+    collective_ops: tuple[Any, ...] = ()
+    tp_group: Any = None
 
     def __post_init__(self) -> None:
         if self.capture_sizes is not None:
@@ -167,8 +180,10 @@ class PPBreakableConfig:
         mct = self.max_capture_tokens
         if isinstance(mct, bool) or not isinstance(mct, int) or mct < 1:
             _bad("max_capture_tokens", mct, "a positive int")
-        for key in ("split_ops", "token_local_ops"):
+        for key in _OP_LISTS:
             object.__setattr__(self, key, _checked_ops(key, getattr(self, key)))
+        if self.tp_group is not None and not _is_process_group(self.tp_group):
+            _bad("tp_group", self.tp_group, "a torch.distributed.ProcessGroup (the stage's TP group) or None")
         if self.segment_compiler not in SEGMENT_COMPILERS:
             _bad("segment_compiler", self.segment_compiler, " | ".join(map(repr, SEGMENT_COMPILERS)))
         self._check_compile_sizes()
@@ -264,13 +279,39 @@ class PPBreakableConfig:
         """Largest token count served by a graph."""
         return max(self.capture_sizes) if self.capture_sizes else self.max_capture_tokens
 
+    def as_dict(self) -> dict[str, Any]:
+        """Every option as plain data (ops by name, the TP group by its ranks), for hashes and reports."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key in _OP_LISTS:
+            fields[key] = [_op_key(op) for op in fields[key]]
+        for key in ("capture_sizes", "compile_sizes"):
+            if fields[key] is not None:
+                fields[key] = list(fields[key])
+        fields["inductor_config"] = dict(self.inductor_config)
+        fields["tp_group"] = None if self.tp_group is None else _group_ranks(self.tp_group)
+        return fields
+
     def compute_hash(self) -> str:
         """A stable hash of every field that changes what is compiled or captured."""
-        fields = dataclasses.asdict(self)
+        fields = self.as_dict()
         fields.pop("dump_dir")
-        for key in ("split_ops", "token_local_ops"):
-            fields[key] = [_op_key(op) for op in getattr(self, key)]
         return hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
+_OP_LISTS = ("split_ops", "token_local_ops", "collective_ops")
+
+
+def _is_process_group(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and isinstance(group, dist.ProcessGroup)
+
+
+def _group_ranks(group: Any) -> list[int]:
+    """A process group's global ranks (the same in every process of the job)."""
+    import torch.distributed as dist
+
+    return list(dist.get_process_group_ranks(group)) if dist.is_initialized() else []
 
 
 def _checked_ops(key: str, ops: Any) -> tuple[Any, ...]:

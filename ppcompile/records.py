@@ -96,3 +96,15 @@ class SegmentCompile:
     seconds: float  # compile time spent for this segment (0.0 when reused)
     reused: bool
     sizes: tuple[int, ...] = ()  # buckets with a specialised (static-shape) artifact
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """A collective the stage graph calls: its op and the process group it names (``group``: the c10d
+    group name a functional collective carries; None for a declared ``collective_ops`` op, whose group
+    the graph does not show). ``unsafe``: why it may not run on padded rows (it moves token rows between
+    ranks), or None when it stays in graph segments."""
+
+    op: str
+    group: str | None
+    unsafe: str | None = None

@@ -69,6 +69,8 @@ GOOD: dict[str, list[Any]] = {
     "copy_kernel": ["auto", "triton", "torch"],
     "capture": ["all", "lazy"],
     "capture_budget_s": [None],  # a number needs capture="lazy": below
+    "collective_ops": [[], ["mylib::all_reduce"], ("mylib::all_reduce", "mylib::all_reduce_")],
+    "tp_group": [None],  # a process group: tests/runtime/test_tensor_parallel.py (spawned ranks)
 }
 BAD: dict[str, list[Any]] = {
     "capture_sizes": [[], [0], [-4], [16, "32"], [2.0], [True], "16", 16, {16}],
@@ -90,6 +92,8 @@ BAD: dict[str, list[Any]] = {
     "copy_kernel": ["cuda", None, 1],
     "capture": ["eager", "Lazy", None],
     "capture_budget_s": [0, -1.0, "5", True, 5.0],  # 5.0: needs capture="lazy"
+    "collective_ops": ["mylib::all_reduce", ["all_reduce"], 3],
+    "tp_group": ["world", 0, object()],
 }
 
 

@@ -26,6 +26,9 @@ meta key (accessor)     what it says                          written by        
                                                                                      split_at_breaks
 ``pp_eager_region``     the declared eager function the node  find_declared_regions  partitions,
 (``EAGER_REGION``)      was traced inside                                            split_at_breaks
+``pp_collective``       the collective a node calls, or the   find_collectives       check_padding_safety,
+(``COLLECTIVE``)        round trip of one it belongs to                              check_capture_safety
+                        (``records.Collective``)
 ``pp_unsafe``           why the node may not run on padded    check_padding_safety   check_padding_safety,
 (``PADDING_UNSAFE``)    rows                                                         split_at_breaks
 ``pp_capture_unsafe``   why CUDA graph capture rejects the    check_capture_safety   split_at_breaks
@@ -53,10 +56,11 @@ from typing import Any, Generic, TypeVar
 import sympy
 import torch
 
-from ppcompile.records import Segment, StaticBuffer
+from ppcompile.records import Collective, Segment, StaticBuffer
 
 __all__ = [
     "CAPTURE_UNSAFE",
+    "COLLECTIVE",
     "EAGER_REGION",
     "FACTS",
     "LAYER_ID",
@@ -117,6 +121,7 @@ SIZE_EXPR: NodeFact[sympy.Expr] = NodeFact("pp_size_expr", "find_token_dims")
 LAYER_ID: NodeFact[int] = NodeFact("pp_layer_id", "align_global_layers")
 TOKEN_LOCAL: NodeFact[str] = NodeFact("pp_token_local", "find_declared_regions")
 EAGER_REGION: NodeFact[str] = NodeFact("pp_eager_region", "find_declared_regions")
+COLLECTIVE: NodeFact[Collective] = NodeFact("pp_collective", "find_collectives")
 PADDING_UNSAFE: NodeFact[str] = NodeFact("pp_unsafe", "check_padding_safety")
 CAPTURE_UNSAFE: NodeFact[str] = NodeFact("pp_capture_unsafe", "check_capture_safety")
 SEGMENT: NodeFact[Segment] = NodeFact("pp_segment", "split_at_breaks")
@@ -125,8 +130,8 @@ WRITTEN_ARGS: NodeFact[tuple[int, ...]] = NodeFact("pp_written_args", "lift_stat
 
 # Every fact, in the order the passes first write them.
 FACTS: tuple[NodeFact[Any], ...] = (
-    TOKEN_DIMS, SIZE_EXPR, LAYER_ID, TOKEN_LOCAL, EAGER_REGION, PADDING_UNSAFE, CAPTURE_UNSAFE, SEGMENT,
-    STATIC_BUFFER, WRITTEN_ARGS,
+    TOKEN_DIMS, SIZE_EXPR, LAYER_ID, TOKEN_LOCAL, EAGER_REGION, COLLECTIVE, PADDING_UNSAFE,
+    CAPTURE_UNSAFE, SEGMENT, STATIC_BUFFER, WRITTEN_ARGS,
 )
 
 

@@ -95,12 +95,7 @@ def _dtype(dtype: torch.dtype) -> str:
 
 
 def _config(runtime: StageRuntime) -> dict[str, Any]:
-    out = dataclasses.asdict(runtime.config)
-    for key in ("split_ops", "token_local_ops"):
-        out[key] = [op if isinstance(op, str) else getattr(op, "__name__", str(op)) for op in out[key]]
-    if out["capture_sizes"] is not None:
-        out["capture_sizes"] = list(out["capture_sizes"])
-    return out
+    return runtime.config.as_dict()
 
 
 def _traffic(runtime: StageRuntime) -> dict[str, Any]:

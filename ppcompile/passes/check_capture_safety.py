@@ -5,7 +5,9 @@ and device copies, private generators, custom ops whose implementation does one 
 Python number Dynamo passes as a 0-d CPU tensor (a norm's ``eps``) is no host read. A node that
 fails gets ``meta["pp_capture_unsafe"]`` with the reason, and ``split_at_breaks`` makes it a break that
 runs eagerly on live rows (attention and ``split_ops`` are breaks already and are not judged: a custom
-op is probed by running its Python implementation once on fake tensors, at compile time). Inside a
+op is probed by running its Python implementation once on fake tensors, at compile time). Collectives
+are not judged either: a capture-safe communicator (NCCL) records them into the graph, and probing a
+declared collective op would communicate from one rank. Inside a
 declared token-local region the whole region becomes that break (its inner values are not token-major).
 The verdict does not depend on the graph mode or the segment
 compiler: a stage splits the same way on the CPU emulation as on a GPU, so one that runs on CPU does not
@@ -30,7 +32,7 @@ import logging
 import torch
 
 from ppcompile.analysis.capture_rules import CaptureRules
-from ppcompile.analysis.node_facts import CAPTURE_UNSAFE
+from ppcompile.analysis.node_facts import CAPTURE_UNSAFE, COLLECTIVE
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name
 from ppcompile.errors import source_line
 from ppcompile.passes.context import PassContext, PassResult
@@ -50,8 +52,8 @@ def check_capture_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
                          if kind in scalars)
     breaks = OpMatcher([*always_split_ops(), *ctx.config.split_ops])
     for node in gm.graph.nodes:
-        if breaks.matches(node):
-            continue  # a break already: its implementation is not probed
+        if breaks.matches(node) or COLLECTIVE.has(node):
+            continue  # a break already, or a collective (probing it would communicate): not probed
         why = rules.problem(node)
         if why is None:
             continue

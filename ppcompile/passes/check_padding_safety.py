@@ -7,7 +7,8 @@ out in plain ops, a matmul contracting over tokens, an index or gather that addr
 by slot indices would receive padded rows). For every node that touches a token dim this pass applies
 the op's rule (``analysis.token_locality.RULES``); a node that fails, or whose op has no rule and is not
 registered token-local, gets ``meta["pp_unsafe"]`` with the reason. Nodes of a region declared
-token-local (``find_declared_regions``) skip the op rules. Whatever its op, a node is unsafe when a
+token-local (``find_declared_regions``) skip the op rules, and collectives take the verdict
+``find_collectives`` recorded. Whatever its op, a node is unsafe when a
 token-dim size it makes or reads shrinks as the token count grows, or when it writes into a graph input
 other than a token-major live one (whose static buffer the runtime reads back after the write).
 ``split_at_breaks`` then makes it a break that runs eagerly on live rows, or, with
@@ -36,7 +37,7 @@ import sympy
 import torch
 
 from ppcompile.analysis.mutation import mutated_inputs
-from ppcompile.analysis.node_facts import PADDING_UNSAFE, TOKEN_LOCAL, token_dims
+from ppcompile.analysis.node_facts import COLLECTIVE, PADDING_UNSAFE, TOKEN_LOCAL, token_dims
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name, resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
 from ppcompile.analysis.token_locality import is_registered_token_local, rule_for
@@ -97,7 +98,8 @@ def _verdict(
     shrinking = shrinking_token_size(node, ctx.token_symbol, cap, memo)
     # In-place methods, out=, and ops whose schema writes.
     written = next((p for p in mutated_inputs(node) if p not in lifted), None)
-    declared = TOKEN_LOCAL.has(node) or (
+    collective = COLLECTIVE.get(node)
+    declared = TOKEN_LOCAL.has(node) or (collective is not None and collective.unsafe is None) or (
         node.op == "call_function" and is_registered_token_local(node.target, extra_safe)
     )
     if shrinking is None and written is None and declared:
@@ -108,6 +110,8 @@ def _verdict(
     if written is not None:
         return (f"{_op_label(node)} writes in place into graph input {written.name}, which is not a "
                 "token-major live input: a replay would write its padded rows too")
+    if collective is not None and collective.unsafe is not None:
+        return f"{_op_label(node)} {collective.unsafe}"
     if rule is None:
         return f"{_op_label(node)} is not known to be token-local (register it if it is)"
     problem = rule(node)

@@ -9,7 +9,7 @@ import sympy
 import torch
 
 from ppcompile.config import PPBreakableConfig
-from ppcompile.records import InputKind, StaticBuffer
+from ppcompile.records import Collective, InputKind, StaticBuffer
 
 __all__ = ["PassContext", "PassResult", "StaticInputPlan"]
 
@@ -36,7 +36,7 @@ class PassContext:
     """Facts established by the passes, in the order they run.
 
     ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input`` and ``token_guards``;
-    ``find_declared_regions`` fills ``token_local_regions``;
+    ``find_declared_regions`` fills ``token_local_regions``; ``find_collectives`` fills ``collectives``;
     ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``lift_static_inputs`` fills
     ``static_inputs``. Facts about single nodes (token dims, break verdicts, segments, static buffers and
     bridges) live on the nodes: ``analysis.node_facts`` (``segments(split)`` lists the segments).
@@ -52,6 +52,7 @@ class PassContext:
     symint_inputs: dict[int, sympy.Expr] = dataclasses.field(default_factory=dict)
     other_symbols: frozenset[sympy.Symbol] = frozenset()
     token_local_regions: tuple[str, ...] = ()
+    collectives: tuple[Collective, ...] = ()  # the collective ops the graph calls, in graph order
     token_guards: tuple[sympy.Basic, ...] = ()  # Dynamo's shape guards on the token symbol alone
     layer_ids: tuple[int, ...] = ()
     eligible: bool = True

@@ -18,6 +18,7 @@ from ppcompile.passes.align_global_layers import align_global_layers
 from ppcompile.passes.check_capture_safety import check_capture_safety
 from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.passes.find_collectives import find_collectives
 from ppcompile.passes.find_declared_regions import find_declared_regions
 from ppcompile.passes.find_token_dims import find_token_dims
 from ppcompile.passes.inline_nested_regions import inline_nested_regions
@@ -45,6 +46,9 @@ PASSES: tuple[Pass, ...] = (
     align_global_layers,
     # Reads only Dynamo's node meta; must run before the padding-safety check, which trusts what it finds.
     find_declared_regions,
+    # Needs token dims (a collective along the token dim moves rows between ranks); must run before
+    # both safety checks, which take its verdicts on collectives instead of their op rules.
+    find_collectives,
     # Needs token dims (it judges ops by which of their dims scale with tokens); must run before the
     # split, which turns the nodes it flags into breaks.
     check_padding_safety,

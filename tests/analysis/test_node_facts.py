@@ -12,6 +12,7 @@ import torch
 
 from ppcompile.analysis.node_facts import (
     CAPTURE_UNSAFE,
+    COLLECTIVE,
     EAGER_REGION,
     FACTS,
     LAYER_ID,
@@ -26,7 +27,7 @@ from ppcompile.analysis.node_facts import (
     token_dim_sizes,
     token_dims,
 )
-from ppcompile.records import Segment, StaticBuffer
+from ppcompile.records import Collective, Segment, StaticBuffer
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ppcompile"
 s0 = sympy.Symbol("s0", integer=True, positive=True)
@@ -36,6 +37,7 @@ SAMPLES: list[tuple[NodeFact[Any], Any]] = [
     (LAYER_ID, 7),
     (TOKEN_LOCAL, "layers.0.mlp (mymodel.Moe)"),
     (EAGER_REGION, "mymodel.chunked_scan"),
+    (COLLECTIVE, Collective("all_reduce", "0")),
     (PADDING_UNSAFE, "Tensor.mean reduces along the token dim"),
     (CAPTURE_UNSAFE, "its implementation reads a device value on the host (a sync)"),
     (SEGMENT, Segment("submod_1", "break", 3)),
@@ -89,6 +91,7 @@ def test_each_key_and_its_writer() -> None:
         "pp_layer_id": "align_global_layers",
         "pp_token_local": "find_declared_regions",
         "pp_eager_region": "find_declared_regions",
+        "pp_collective": "find_collectives",
         "pp_unsafe": "check_padding_safety",
         "pp_capture_unsafe": "check_capture_safety",
         "pp_segment": "split_at_breaks",
