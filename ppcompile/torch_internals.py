@@ -27,7 +27,8 @@ __all__ = [
     "data_dependent_errors", "dynamo_compile_start_ns", "dynamo_generation",
     "floats_specialized", "frame_compile_index",
     "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol", "mark_dynamic",
-    "raise_recompile_limit", "recompile_limit", "register_backend", "reset_dynamo", "restart_analysis",
+    "raise_recompile_limit", "recompile_limit", "register_backend", "reset_dynamo", "resolve_process_group",
+    "restart_analysis",
     "restart_with_floats_specialized", "shape_env_facts", "shape_env_guards", "shape_env_hints",
     "static_fake_mode", "storage_from_data_pointer", "symint_shape_env", "sympy_interp_logger_name",
     "sympy_interp_python", "trace_artifact", "tracing_context", "tree_leaves", "without_dynamo_disable",
@@ -188,6 +189,13 @@ def is_float_symbol(symbol: sympy.Symbol) -> bool:
     why = "to tell float symbols from size symbols"
     symt = _lookup("torch.utils._sympy.symbol", "SymT.FLOAT", why)
     return bool(_lookup("torch.utils._sympy.symbol", "symbol_is_type", why)(symbol, symt))
+
+
+# ------------------------------------------------------------------------- distributed
+def resolve_process_group(group_name: str) -> Any:
+    """The process group a functional collective names by ``group_name`` (c10d's registered name)."""
+    why = "to find the process group a traced collective runs on"
+    return _lookup("torch.distributed.distributed_c10d", "_resolve_process_group", why)(group_name)
 
 
 # ------------------------------------------------------------------------- Dynamo

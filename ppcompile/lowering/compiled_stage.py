@@ -155,6 +155,7 @@ def lower_stage(
         if skip_size_asserts and not ctx.is_static else (),
         eager_reason=policy or (never_graphs_reason(plan) if never_graphs else None),
         never_graphs=never_graphs,
+        collectives=ctx.collectives,
         record=CompileRecord(
             split_module=split,
             pass_times=types.MappingProxyType(dict(ctx.pass_times)),

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import sympy
 import torch
 
-from ppcompile.records import BreakReason, Segment, SegmentCompile
+from ppcompile.records import BreakReason, Collective, Segment, SegmentCompile
 from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.layout_checks import CheckedValue
 from ppcompile.runtime.program import Program
@@ -60,6 +60,8 @@ class CompiledStage:
     eager_reason: str | None  # why every forward runs eagerly, or None
     # The eager reason is no policy but a fall-off: the graph's shape guards refuse every capture size.
     never_graphs: bool = False
+    # The collectives the stage graph calls (``find_collectives``): its ranks must decide alike.
+    collectives: tuple[Collective, ...] = ()
     record: CompileRecord = dataclasses.field(default_factory=lambda: CompileRecord())
 
     @property

@@ -25,6 +25,7 @@ from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.executors import GraphExecutor, make_executor
 from ppcompile.runtime.fused_copy import RowCopier, make_row_copier
 from ppcompile.runtime.graph_path import GraphPath, RingSlots, Wrap, bind_graph_path, instrumented_path
+from ppcompile.runtime.group_agreement import LOCAL, Agreement, GroupCaptureError
 from ppcompile.runtime.observer import CaptureMeter, CaptureObserver, CaptureRecord, CaptureStart
 from ppcompile.runtime.program import GraphStep
 from ppcompile.runtime.stale_outputs import OutputTracker
@@ -37,7 +38,8 @@ class StageInstance:
     ``captured_buckets``, ``input_buffers``, ``bridge_buffers``, ``static_tensors()``, ``failed``)."""
 
     def __init__(self, compiled: CompiledStage, args: Sequence[Any], env_max: dict[sympy.Symbol, int],
-                 debug: bool, copy_kernel: str = "torch", runs: list[CaptureRecord] | None = None) -> None:
+                 debug: bool, copy_kernel: str = "torch", runs: list[CaptureRecord] | None = None,
+                 agreement: Agreement = LOCAL) -> None:
         program = compiled.program
         self._compiled = compiled
         # Strong references: the graphs read them (and bake scalars).
@@ -64,6 +66,8 @@ class StageInstance:
         self.tracker: OutputTracker | None = None  # debug: outputs handed out, expired at the next call
         # Capture runs are appended here (the runtime's list, oldest first).
         self.runs: list[CaptureRecord] = [] if runs is None else runs
+        # The TP group's ranks capture alike: budget ends and failures are agreed (group_agreement.py).
+        self._agreement = agreement
 
     # ----------------------------------------------------------------------------------- inspection
     @property
@@ -158,7 +162,8 @@ class StageInstance:
         try:
             with torch.no_grad(), self.executor.capture_session():
                 for b in buckets:
-                    if self.tables and budget_s is not None and time.perf_counter() - start > budget_s:
+                    if self.tables and budget_s is not None and self._agreement.any(
+                            time.perf_counter() - start > budget_s):
                         break
                     self.tables[b] = self._capture_bucket(args, env, b, graph_steps)
                     self.storages = None  # static memory grew: the aliased-input check recomputes it
@@ -189,14 +194,23 @@ class StageInstance:
             table[s] = compiled.program.buffers[s].view(buf, env, b)
         for st in graph_steps:
             sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
+            error: Exception | None = None
             try:
                 outs = self.executor.capture((st.index, b), st.fn, sargs, st.output_shapes(env),
                                              st.output_strides(env))
             except Exception as e:
+                error = e
+            # Before the next segment, whose collectives a failed rank would never launch.
+            failed = self._agreement.failed_ranks(error is None)
+            if error is not None:
                 raise RuntimeError(
                     f"pp_breakable: capturing segment {st.segment.name} of {compiled.name} for bucket {b} "
-                    f"failed: {type(e).__name__}: {e}{self._where(st, sargs)}"
-                ) from e
+                    f"failed: {type(error).__name__}: {error}{self._where(st, sargs)}"
+                ) from error
+            if failed:
+                raise GroupCaptureError(
+                    f"pp_breakable: capturing segment {st.segment.name} of {compiled.name} for bucket {b} "
+                    f"failed on rank(s) {failed} of its TP group, so this rank drops it too")
             counters.captures += 1
             for s, o in zip(st.out_slots, outs):
                 if s >= 0:
@@ -215,7 +229,8 @@ class StageInstance:
     def _where(self, st: GraphStep, sargs: Sequence[Any]) -> str:
         """`` (at node ...)`` naming the node of ``st``'s FX graph whose op fails under capture, if any."""
         module = getattr(self._compiled.record.split_module, st.segment.name, None)
-        if not isinstance(module, torch.fx.GraphModule):
+        if not isinstance(module, torch.fx.GraphModule) or self._agreement.size > 1:
+            # With a TP group, the trial run would launch the segment's collectives on this rank alone.
             return ""
         try:
             node = failing_node(module, sargs, self.executor.trial)

@@ -36,6 +36,7 @@ from ppcompile.errors import add_note
 from ppcompile.runtime.codegen import make_live_forward
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.graph_path import Wrap
+from ppcompile.runtime.group_agreement import Agreement, GroupDivergenceError, agreement_for
 from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureRecord
@@ -89,6 +90,9 @@ class StageRuntime(StageInspection):
         # Live token counts served (a static graph has none); they also feed the process-wide histogram.
         self.traffic = TokenHistogram(feeds=process_histogram())
         self._fall_offs: dict[str, str] = {}  # cause -> what happened and the fix (note_fall_off)
+        # A stage with collectives decides alike on every rank of its TP group (group_agreement.py).
+        self._agreement = agreement_for(config.tp_group, compiled.collectives, compiled.name)
+        self._options_key = int(config.compute_hash()[:15], 16)
         if compiled.never_graphs and compiled.eager_reason:
             self.note_fall_off(NEVER_GRAPHS, f"every forward runs eagerly: {compiled.eager_reason}")
         elif self.eager_reason:
@@ -142,6 +146,12 @@ class StageRuntime(StageInspection):
         spec = next((s for s in self.compiled.input_specs if s.slot == i), None)
         return f"dim {d} of input {spec.name if spec else i!r}"
 
+    @property
+    def agreement(self) -> Agreement:
+        """How this stage's TP group agrees on capture decisions (``size`` 1: a single rank, no
+        communication; ``collectives``: how many it has issued, all at capture time)."""
+        return self._agreement
+
     def note_fall_off(self, cause: str, message: str) -> None:
         """Records that forwards stop reaching the graph path for ``cause`` (one of
         :data:`FALL_OFF_CAUSES`, none a documented policy): the first time per cause, one warning naming
@@ -172,6 +182,8 @@ class StageRuntime(StageInspection):
         if self.token_symbol is None:  # concrete sizes: no token count to record or pad
             return self.run_eager(args)
         n = self.num_tokens(args)
+        if self._debug and self._agreement.size > 1:
+            self._agreement.check_same("the token count", [n], self.name)
         if n > 0:  # an empty batch is not traffic
             self.traffic.record(n)
         if self.eager_reason is not None:
@@ -309,6 +321,8 @@ class StageRuntime(StageInspection):
         """
         try:
             return self._capture(args, key)
+        except GroupDivergenceError:
+            raise  # bad input: nothing was captured, and the next call tries again
         except Exception as e:
             add_note(e, f"pp_breakable: graphs are off for this module instance of {self.name}; later "
                       "calls run eagerly")
@@ -316,6 +330,12 @@ class StageRuntime(StageInspection):
                                f"failed ({type(e).__name__}: {e}); its forwards run eagerly. Fix the op the "
                                "error names, make it a break (split_ops), or use capture='lazy' to keep "
                                "the buckets that capture")
+            if self._agreement.size > 1:
+                # Every rank of the group saw the failure: all serve this call eagerly, none raises
+                # (a rank that raised would leave the others waiting in the call's collectives).
+                log.warning("%s: capture failed; serving eagerly on every rank of the TP group",
+                            self.name, exc_info=e)
+                return self._states[key]
             raise
         except BaseException as e:
             self._states.pop(key, None)
@@ -327,10 +347,13 @@ class StageRuntime(StageInspection):
         """A new instance (static buffers allocated); with ``capture="all"`` every (graph segment, bucket)
         captured, largest bucket first (one failure turns graphs off for the instance). ``"lazy"``
         captures nothing here: each bucket at its first use (``_capture_lazily``)."""
-        env = self._env(args, self.num_tokens(args))
+        n = self.num_tokens(args)
+        env = self._env(args, n)
         env_max = {**env, self.token_symbol: max(self.plan.sizes)}
+        self._agreement.check_same("the token count and options of the first call",
+                                   [n, self._options_key, len(self.plan.sizes)], self.name)
         state = StageInstance(self.compiled, args, env_max, self.config.debug, self.config.copy_kernel,
-                              runs=self._capture_runs)
+                              runs=self._capture_runs, agreement=self._agreement)
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
         if self.config.capture == "all":
             try:
@@ -352,6 +375,10 @@ class StageRuntime(StageInspection):
         budget = self.config.capture_budget_s
         if budget is not None and not state.tables:
             order += [s for s in self.bucket_values() if s != b]
+        n = self.num_tokens(args)
+        self._agreement.check_same("the token count, bucket and options of a lazy capture",
+                                   [n, b, self._options_key, len(order)], self.name)
+        order = self._agreement.leader(order)  # the process's traffic may differ between ranks
         try:
             state.capture(args, self._env(args, self.num_tokens(args)), order, self._observer, budget)
         except Exception as e:
