@@ -11,12 +11,14 @@ from ppcompile.models.attention import (
 )
 from ppcompile.models.config import REFERENCE_CONFIGS, ModelConfig
 from ppcompile.models.stage import PPStage, get_pp_indices, make_batch, make_stage
+from ppcompile.models.tensor_parallel import TensorParallel
 
 __all__ = [
     "REFERENCE_CONFIGS",
     "ForwardContext",
     "ModelConfig",
     "PPStage",
+    "TensorParallel",
     "get_forward_context",
     "get_pp_indices",
     "make_batch",

@@ -90,8 +90,10 @@ def make_forward_context(
     layer_ids: Iterable[int],
     device: torch.device | str = "cpu",
     num_slots: int | None = None,
+    tp_size: int = 1,
 ) -> ForwardContext:
-    """A context for ``seq_lens`` with slots ``0..T-1`` and zeroed KV caches for the global ``layer_ids``."""
+    """A context for ``seq_lens`` with slots ``0..T-1`` and zeroed KV caches for the global ``layer_ids``
+    (for one rank of a ``tp_size``-way tensor-parallel group: its ``num_kv_heads / tp_size`` heads)."""
     lens = [int(n) for n in seq_lens]
     total = sum(lens)
     slots = total if num_slots is None else num_slots
@@ -100,7 +102,8 @@ def make_forward_context(
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0).to(torch.int32)
     caches = {
-        int(i): torch.zeros(slots, 2, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
+        int(i): torch.zeros(slots, 2, cfg.num_kv_heads // tp_size, cfg.head_dim, dtype=cfg.dtype,
+                            device=device)
         for i in layer_ids
     }
     return ForwardContext(

@@ -15,6 +15,7 @@ from torch import nn
 import ppcompile.models.attention  # noqa: F401  (registers torch.ops.ppcompile.attention)
 from ppcompile.analysis.token_locality import register_token_local_op
 from ppcompile.models.config import ModelConfig
+from ppcompile.models.tensor_parallel import NO_TP, TensorParallel
 
 __all__ = ["MLP", "Attention", "DecoderLayer", "MoE", "PPMissingLayer", "RMSNorm", "RotaryEmbedding"]
 
@@ -97,17 +98,19 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention whose core is the opaque ``torch.ops.ppcompile.attention`` op."""
+    """GQA self-attention whose core is the opaque ``torch.ops.ppcompile.attention`` op. With ``tp``, this
+    rank's ``1 / tp.size`` of the heads; the output projection's partial sums are all-reduced."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel = NO_TP) -> None:
         super().__init__()
         self.layer_id = int(layer_id)  # GLOBAL layer id, a python int constant in the graph
         self.with_output = cfg.attention_with_output
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.tp = tp
+        self.num_heads = tp.part(cfg.num_heads)
+        self.num_kv_heads = tp.part(cfg.num_kv_heads)
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
@@ -133,36 +136,48 @@ class Attention(nn.Module):
             out = torch.ops.ppcompile.attention(q, k, v, self.layer_id)
         return out.reshape(-1, self.q_size)
 
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention op's ``out`` (summed over the TP group)."""
+        return self.tp.all_reduce(self.o_proj(out))
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attend(*self.qkv(positions, hidden)))
+        return self.project(self.attend(*self.qkv(positions, hidden)))
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate) * up)``."""
+    """SwiGLU MLP: ``down(silu(gate) * up)``. With ``tp``, this rank's ``1 / tp.size`` of the intermediate
+    features; the down projection's partial sums are all-reduced unless ``reduce`` is False (the caller
+    sums them, as :class:`MoE` does once for all its experts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = NO_TP,
+                 reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.tp = tp
+        self.reduce = reduce
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * tp.part(intermediate_size), bias=False)
+        self.down_proj = nn.Linear(tp.part(intermediate_size), hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 class MoE(nn.Module):
     """Top-k routed mixture of SwiGLU experts, evaluated densely so every shape is static.
 
     Each expert runs on all tokens; a ``[T, E]`` weight matrix (renormalised top-k softmax probabilities
-    scattered into zeros) mixes their outputs.
+    scattered into zeros) mixes their outputs. With ``tp`` every expert is sharded like :class:`MLP` and
+    the mixed partial sums are all-reduced once.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = NO_TP) -> None:
         super().__init__()
+        self.tp = tp
         self.top_k = cfg.experts_top_k
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size, tp, reduce=False) for _ in range(cfg.num_experts)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +188,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             out = out + weights[:, e : e + 1] * expert(x)
-        return out
+        return self.tp.all_reduce(out)
 
 
 def nested_region(fn: Any) -> Any:
@@ -198,7 +213,7 @@ def _before_attention(
 def _after_attention(
     layer: DecoderLayer, out: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden, residual = layer.post_attention_layernorm(layer.self_attn.o_proj(out), residual)
+    hidden, residual = layer.post_attention_layernorm(layer.self_attn.project(out), residual)
     return layer.mlp(hidden), residual
 
 
@@ -213,7 +228,7 @@ def _before_attention_hidden_only(
 def _after_attention_hidden_only(
     layer: DecoderLayer, hidden: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    hidden = hidden + layer.self_attn.o_proj(out)
+    hidden = hidden + layer.self_attn.project(out)
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
@@ -225,15 +240,16 @@ class DecoderLayer(nn.Module):
     (``cfg.hidden_only``): ``forward(positions, hidden) -> hidden`` with plain residual adds.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel = NO_TP) -> None:
         super().__init__()
         self.layer_id = int(layer_id)
         self.hidden_only = cfg.hidden_only
         self.compile_regions = cfg.compile_regions
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.in_place_norm)
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = Attention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.in_place_norm)
-        self.mlp: nn.Module = MoE(cfg) if cfg.num_experts else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = (MoE(cfg, tp) if cfg.num_experts
+                               else MLP(cfg.hidden_size, cfg.intermediate_size, tp))
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None = None

@@ -10,6 +10,7 @@ from torch import nn
 
 from ppcompile.models.config import ModelConfig
 from ppcompile.models.layers import DecoderLayer, PPMissingLayer, RMSNorm
+from ppcompile.models.tensor_parallel import NO_TP, TensorParallel, shard_state_dict
 from ppcompile.proxy import PPProxyTensors
 
 __all__ = ["PPStage", "get_pp_indices", "make_batch", "make_stage"]
@@ -43,26 +44,33 @@ class PPStage(nn.Module):
     The first stage embeds ``input_ids``; the others read ``pp_proxy_tensors`` (``hidden_states``,
     ``residual`` unless ``hidden_only``, ``topk_indices`` when ``topk_proxy > 0``). Non-last stages return
     ``PPProxyTensors``; the last returns logits ``[T, vocab_size]``.
+
+    With ``tp`` the stage is rank ``tp.rank`` of a tensor-parallel group (``models.tensor_parallel``): it
+    holds its shards, all-reduces partial sums inside each layer and gathers the logits, so every rank of
+    the group receives, returns and hands over the same full-width tensors.
     """
 
-    def __init__(self, cfg: ModelConfig, pp_rank: int, pp_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, pp_rank: int, pp_size: int, tp: TensorParallel = NO_TP) -> None:
         super().__init__()
+        tp.check(cfg)
         self.config = cfg
         self.pp_rank = pp_rank
         self.pp_size = pp_size
+        self.tp = tp
         self.start_layer, self.end_layer = get_pp_indices(cfg.num_layers, pp_rank, pp_size)
         self.is_first = pp_rank == 0
         self.is_last = pp_rank == pp_size - 1
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        vocab = tp.part(cfg.vocab_size)  # this rank's vocabulary range (all of it without TP)
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size) if self.is_first else None
         self.topk_embed = (
             nn.Embedding(cfg.hidden_size, cfg.hidden_size) if cfg.topk_proxy and not self.is_first else None
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            DecoderLayer(cfg, i, tp) if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if self.is_last else None
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False) if self.is_last else None
 
     def _proxy(self, proxies: PPProxyTensors | None, key: str) -> torch.Tensor:
         if proxies is None or key not in proxies:
@@ -72,6 +80,18 @@ class PPStage(nn.Module):
                 f"got keys {have}"
             )
         return proxies[key]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding of ``input_ids``; with TP, looked up in this rank's vocabulary range (zero rows
+        for the other ids) and summed over the group."""
+        assert self.embed_tokens is not None
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        first = self.tp.rank * self.embed_tokens.num_embeddings
+        local = input_ids - first
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        rows = self.embed_tokens(local * mine) * mine.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(rows)
 
     def forward(
         self,
@@ -84,7 +104,7 @@ class PPStage(nn.Module):
         if self.embed_tokens is not None:
             if input_ids is None:
                 raise ValueError(f"PPStage rank 0/{self.pp_size}: the first stage needs input_ids, got None")
-            hidden = self.embed_tokens(input_ids)
+            hidden = self._embed(input_ids)
         else:
             hidden = self._proxy(pp_proxy_tensors, "hidden_states")
             if not cfg.hidden_only:
@@ -100,7 +120,7 @@ class PPStage(nn.Module):
 
         if self.norm is not None and self.lm_head is not None:
             normed = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
-            return self.lm_head(normed)
+            return self.tp.gather_last_dim(self.lm_head(normed))
         out = {"hidden_states": hidden}
         if residual is not None:
             out["residual"] = residual
@@ -139,14 +159,25 @@ def _init_(module: nn.Module, cfg: ModelConfig, tag: str) -> None:
 
 
 def make_stage(
-    cfg: ModelConfig, pp_rank: int, pp_size: int, device: torch.device | str = "cpu"
+    cfg: ModelConfig, pp_rank: int, pp_size: int, device: torch.device | str = "cpu",
+    tp: TensorParallel = NO_TP,
 ) -> PPStage:
     """Stage ``pp_rank`` of ``pp_size`` with weights seeded by ``(cfg.seed, global layer id)``.
 
     Layer ``i`` has the same weights whichever stage owns it, so the stages of any split compose to the
     same full model (``make_stage(cfg, 0, 1)``). The ``topk_embed`` of a non-first stage is seeded by its
-    ``start_layer``. Returned in eval mode with ``requires_grad_(False)``.
+    ``start_layer``. With ``tp``, rank ``tp.rank``'s shards of those same weights, so any TP size computes
+    the full model. Returned in eval mode with ``requires_grad_(False)``.
     """
+    stage = _full_stage(cfg, pp_rank, pp_size)
+    if tp.size > 1:
+        sharded = PPStage(cfg, pp_rank, pp_size, tp)
+        sharded.load_state_dict(shard_state_dict(stage.state_dict(), cfg, tp))
+        stage = sharded
+    return stage.to(device=device, dtype=cfg.dtype).eval().requires_grad_(False)
+
+
+def _full_stage(cfg: ModelConfig, pp_rank: int, pp_size: int) -> PPStage:
     stage = PPStage(cfg, pp_rank, pp_size)
     if stage.embed_tokens is not None:
         _init_(stage.embed_tokens, cfg, "embed_tokens")
@@ -157,7 +188,7 @@ def make_stage(
     if stage.norm is not None and stage.lm_head is not None:
         _init_(stage.norm, cfg, "final_norm")
         _init_(stage.lm_head, cfg, "lm_head")
-    return stage.to(device=device, dtype=cfg.dtype).eval().requires_grad_(False)
+    return stage
 
 
 def make_batch(
