@@ -146,7 +146,16 @@ def _declare_regions(layer: nn.Module) -> None:
             token_local(block)
         core = getattr(sys.modules.get(type(block).__module__), EAGER_CORES.get(name, ""), None)
         if core is not None:
-            eager_region(core)
+            eager_region(_python_function(core))
+
+
+def _python_function(core: Any) -> Any:
+    """The Python function behind ``core``: itself, or the one a hub-kernel wrapper calls (transformers
+    5.25 wraps such functions in a ``kernels`` module that calls the function from its ``forward``)."""
+    if isinstance(core, nn.Module):
+        cells = [c.cell_contents for c in type(core).forward.__closure__ or ()]
+        core = next((c for c in cells if inspect.isfunction(c)), core)
+    return core
 
 
 # ------------------------------------------------------------------------------------------ masks
