@@ -31,12 +31,15 @@ import contextlib
 import dataclasses
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from ppcompile.runtime.group_agreement import LOCAL, Agreement
 from ppcompile.runtime.static_buffers import strides_match
 from ppcompile.torch_internals import cuda_graph_capture, has_internal_overlap, storage_from_data_pointer
+
+_T = TypeVar("_T")
 
 __all__ = [
     "EXECUTORS",
@@ -69,15 +72,27 @@ class _Captured:
 
 
 class GraphExecutor(abc.ABC):
-    """Captures (segment, bucket) graphs and replays them."""
+    """Captures (segment, bucket) graphs and replays them. Each capture is settled with ``agreement``
+    (a TP group's ranks learn whether all of them captured) before it runs anything after the capture."""
 
     name: str = ""
     binds_inputs: bool = True  # replay ignores the args it is given and reads the captured ones
     shares_outputs: bool = False  # the buckets of a segment write their outputs into shared memory
 
-    def __init__(self, debug: bool = False) -> None:
+    def __init__(self, debug: bool = False, agreement: Agreement = LOCAL) -> None:
         self.debug = debug
+        self.agreement = agreement
         self._captured: dict[Key, _Captured] = {}
+
+    def _settled(self, run: Callable[[], _T]) -> _T:
+        """``run()``, settled with the group whether it fails or not (see :meth:`Agreement.settle`)."""
+        try:
+            result = run()
+        except Exception as e:
+            self.agreement.settle(e)
+            raise
+        self.agreement.settle(None)
+        return result
 
     @abc.abstractmethod
     def capture(
@@ -178,8 +193,8 @@ class EmulatedGraphExecutor(GraphExecutor):
     name = "emulate"
     shares_outputs = True
 
-    def __init__(self, debug: bool = False) -> None:
-        super().__init__(debug)
+    def __init__(self, debug: bool = False, agreement: Agreement = LOCAL) -> None:
+        super().__init__(debug, agreement)
         # Per segment: the outputs of its first capture, when later buckets may view them.
         self._shared: dict[int, tuple[Any, ...] | None] = {}
 
@@ -191,9 +206,10 @@ class EmulatedGraphExecutor(GraphExecutor):
         if first is not None and shapes is not None:
             views = _leading_views(first, shapes, strides)
             if views is not None:
+                self.agreement.settle(None)  # nothing ran: every rank of the group takes this path alike
                 self._captured[key] = _Captured(fn, tuple(args), views)
                 return views
-        outputs = tuple(_writable(o) for o in fn(*args))
+        outputs = self._settled(lambda: tuple(_writable(o) for o in fn(*args)))
         self._captured[key] = _Captured(fn, tuple(args), outputs)
         if shapes is not None and key[0] not in self._shared:
             self._shared[key[0]] = outputs if self._shareable(outputs, args, shapes) else None
@@ -237,7 +253,7 @@ class EagerExecutor(GraphExecutor):
         strides: OutputStrides | None = None,
     ) -> tuple[Any, ...]:
         self._captured[key] = _Captured(fn, (), ())
-        return tuple(fn(*args))
+        return self._settled(lambda: tuple(fn(*args)))
 
     def replay(self, key: Key, args: Sequence[Any]) -> tuple[Any, ...]:
         return tuple(self._captured[key].fn(*args))
@@ -268,8 +284,9 @@ class CudaGraphExecutor(GraphExecutor):
     name = "cuda"
     shares_outputs = True
 
-    def __init__(self, debug: bool = False, num_warmup: int = 2, device: torch.device | None = None) -> None:
-        super().__init__(debug)
+    def __init__(self, debug: bool = False, num_warmup: int = 2, device: torch.device | None = None,
+                 agreement: Agreement = LOCAL) -> None:
+        super().__init__(debug, agreement)
         self.num_warmup = num_warmup
         # The stage's device, not whichever is current when the stage is first called.
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
@@ -300,15 +317,20 @@ class CudaGraphExecutor(GraphExecutor):
         strides: OutputStrides | None = None,
     ) -> tuple[Any, ...]:
         stream = self._stream
-        with torch.cuda.device(self.device):
-            current = torch.cuda.current_stream()
-            stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+
+        def warm_up_and_capture() -> tuple[Any, ...]:
             with torch.cuda.stream(stream):
                 for _ in range(self.num_warmup):
                     fn(*args)
-            graph = torch.cuda.CUDAGraph()
             with cuda_graph_capture(graph, self.pool, stream):
-                outputs = tuple(fn(*args))
+                return tuple(fn(*args))
+
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream()
+            stream.wait_stream(current)
+            # Settled before the replay, which runs the segment's collectives (a capture only records).
+            outputs = self._settled(warm_up_and_capture)
             with torch.cuda.stream(stream):
                 graph.replay()  # the outputs get values before anything reads them (see the class doc)
             current.wait_stream(stream)
@@ -354,12 +376,13 @@ EXECUTORS: dict[str, type[GraphExecutor]] = {
 """The executor class of each resolved graph mode (``none`` has none: it captures nothing)."""
 
 
-def make_executor(mode: str, debug: bool, device: torch.device | None = None) -> GraphExecutor:
+def make_executor(mode: str, debug: bool, device: torch.device | None = None,
+                  agreement: Agreement = LOCAL) -> GraphExecutor:
     """The executor for a resolved graph mode: ``cuda`` (its graphs on ``device``; None: the current
-    CUDA device), ``emulate`` or ``eager``."""
+    CUDA device), ``emulate`` or ``eager``; its captures are settled with ``agreement``."""
     if mode == "cuda":
-        return CudaGraphExecutor(debug, device=device)
+        return CudaGraphExecutor(debug, device=device, agreement=agreement)
     cls = EXECUTORS.get(mode)
     if cls is None:
         raise ValueError(f"pp_breakable: no executor for graph mode {mode!r}")
-    return cls(debug)
+    return cls(debug, agreement)

@@ -5,17 +5,21 @@ the live size when it runs eagerly. Ranks of one group that chose differently wo
 different shapes: the group hangs, or sums padded rows into live ones. Most decisions agree by
 construction: the bucket, the padding guard and the cap are functions of the token count and the
 options, which the ranks of a group share; autograd and the stage graph Dynamo picks follow from the same
-code and inputs. What can differ between ranks is agreed here, at capture time only, with a few small
-collectives on the group:
+code and inputs. What can differ between ranks is agreed here, at a stage's first call and at capture
+time only, with small collectives on the group:
 
-- that the ranks capture for the same token count and options (else :class:`GroupDivergenceError` on
-  every rank, before anything is captured);
+- that the ranks were called with the same token count and compiled with the same options, graph mode
+  included, at the first call on any path (else :class:`GroupDivergenceError` on every rank, before
+  anything is captured or run);
 - the order a capture budget spends on buckets (it follows the process's traffic): group rank 0's;
 - where a capture budget ends (each rank measures its own time): at the first bucket boundary where any
   rank is over it;
-- a capture that fails on some rank: after each segment's capture every rank learns which ranks failed,
-  and all of them drop the bucket (``capture="lazy"``) or graphs (``"all"``), so none waits in a
-  collective the others never launch.
+- a capture that fails on some rank: the executor settles each (segment, bucket) capture with the group
+  (:meth:`Agreement.settle`) after its warm-ups and capture and before anything it runs next (the CUDA
+  executor's replay after capture, the next segment), and all ranks drop the bucket (``capture="lazy"``)
+  or graphs (``"all"``), so none waits in a collective the others never launch. A failure part way
+  through an eager run (a warm-up, or the emulated capture), after some ranks entered one of the
+  segment's collectives, cannot be settled: those ranks wait until the process group's timeout.
 
 Nothing is exchanged per forward, except with ``debug=True``, which checks every call's token count
 across the group (one small collective) and fails with :class:`GroupDivergenceError` instead of hanging.
@@ -41,7 +45,12 @@ class GroupDivergenceError(RuntimeError):
 
 
 class GroupCaptureError(RuntimeError):
-    """A capture failed on another rank of the TP group; this rank drops what it captured alike."""
+    """A capture failed on another rank of the TP group (``ranks``); this rank drops what it captured
+    alike."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
 
 
 class Agreement:
@@ -52,6 +61,7 @@ class Agreement:
 
     def __init__(self) -> None:
         self.collectives = 0  # how many collectives this agreement has issued
+        self._called = False  # whether a first call's token count and options were agreed
 
     def __repr__(self) -> str:
         return "Agreement(local)"
@@ -70,9 +80,24 @@ class Agreement:
                 "of a TP group must run each forward with the same token count and compile the stage "
                 "with the same options, or their collectives disagree in shape")
 
+    def check_call(self, values: Sequence[int], stage: str, every_call: bool = False) -> None:
+        """At a stage's first call on any path (at every call with ``every_call``, debug mode): the ranks
+        hold the same ``values`` (the token count and the options' key, graph mode included)."""
+        if self.size > 1 and (every_call or not self._called):
+            self.check_same("the token count and options", values, stage)
+            self._called = True
+
     def failed_ranks(self, ok: bool) -> list[int]:
         """The group ranks for which ``ok`` is False."""
         return [r for r, (flag,) in enumerate(self.exchange([int(ok)])) if not flag]
+
+    def settle(self, error: BaseException | None) -> None:
+        """Every rank calls this once per capture with its failure (or None): raises
+        :class:`GroupCaptureError` on the ranks that succeeded when another failed (the failed ones
+        raise their own error)."""
+        failed = self.failed_ranks(error is None)
+        if error is None and failed:
+            raise GroupCaptureError(f"the capture failed on rank(s) {failed} of the TP group", failed)
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is True on some rank."""

@@ -44,7 +44,7 @@ class StageInstance:
         self._compiled = compiled
         # Strong references: the graphs read them (and bake scalars).
         self.module_state = tuple(args[i] for i in (*compiled.state_slots, *compiled.scalar_slots))
-        self.executor: GraphExecutor = make_executor(compiled.graph_mode, debug, self._device())
+        self.executor: GraphExecutor = make_executor(compiled.graph_mode, debug, self._device(), agreement)
         # Static buffers by slot, in the plan's order (inputs, then bridges), in their traced layout.
         self._buffers = {s: plan.allocate(env_max) for s, plan in program.buffers.items()}
         # One fused copier per copy point (``Program.copy_points``), or None: per-tensor torch ops.
@@ -194,23 +194,15 @@ class StageInstance:
             table[s] = compiled.program.buffers[s].view(buf, env, b)
         for st in graph_steps:
             sargs = [table[r.slot] if r.size is None else r.size(env) for r in st.args]
-            error: Exception | None = None
-            try:
+            what = f"pp_breakable: capturing segment {st.segment.name} of {compiled.name} for bucket {b}"
+            try:  # the executor settles the capture with the TP group (executors.GraphExecutor)
                 outs = self.executor.capture((st.index, b), st.fn, sargs, st.output_shapes(env),
                                              st.output_strides(env))
+            except GroupCaptureError as e:
+                raise GroupCaptureError(f"{what} failed on rank(s) {e.ranks} of its TP group, so this rank "
+                                        "drops it too", e.ranks) from None
             except Exception as e:
-                error = e
-            # Before the next segment, whose collectives a failed rank would never launch.
-            failed = self._agreement.failed_ranks(error is None)
-            if error is not None:
-                raise RuntimeError(
-                    f"pp_breakable: capturing segment {st.segment.name} of {compiled.name} for bucket {b} "
-                    f"failed: {type(error).__name__}: {error}{self._where(st, sargs)}"
-                ) from error
-            if failed:
-                raise GroupCaptureError(
-                    f"pp_breakable: capturing segment {st.segment.name} of {compiled.name} for bucket {b} "
-                    f"failed on rank(s) {failed} of its TP group, so this rank drops it too")
+                raise RuntimeError(f"{what} failed: {type(e).__name__}: {e}{self._where(st, sargs)}") from e
             counters.captures += 1
             for s, o in zip(st.out_slots, outs):
                 if s >= 0:

@@ -148,8 +148,7 @@ class StageRuntime(StageInspection):
 
     @property
     def agreement(self) -> Agreement:
-        """How this stage's TP group agrees on capture decisions (``size`` 1: a single rank, no
-        communication; ``collectives``: how many it has issued, all at capture time)."""
+        """How this stage's TP group agrees (``size`` 1: alone; ``collectives``: how many it issued)."""
         return self._agreement
 
     def note_fall_off(self, cause: str, message: str) -> None:
@@ -182,8 +181,7 @@ class StageRuntime(StageInspection):
         if self.token_symbol is None:  # concrete sizes: no token count to record or pad
             return self.run_eager(args)
         n = self.num_tokens(args)
-        if self._debug and self._agreement.size > 1:
-            self._agreement.check_same("the token count", [n], self.name)
+        self._agreement.check_call([n, self._options_key, len(self.plan.sizes)], self.name, self._debug)
         if n > 0:  # an empty batch is not traffic
             self.traffic.record(n)
         if self.eager_reason is not None:
@@ -330,11 +328,9 @@ class StageRuntime(StageInspection):
                                f"failed ({type(e).__name__}: {e}); its forwards run eagerly. Fix the op the "
                                "error names, make it a break (split_ops), or use capture='lazy' to keep "
                                "the buckets that capture")
-            if self._agreement.size > 1:
-                # Every rank of the group saw the failure: all serve this call eagerly, none raises
-                # (a rank that raised would leave the others waiting in the call's collectives).
-                log.warning("%s: capture failed; serving eagerly on every rank of the TP group",
-                            self.name, exc_info=e)
+            if self._agreement.size > 1 and key in self._states:
+                # Every rank saw it (settled): all serve eagerly; one that raised would strand the others.
+                log.warning("%s: capture failed; every rank of the TP group serves eagerly", self.name)
                 return self._states[key]
             raise
         except BaseException as e:
@@ -350,8 +346,6 @@ class StageRuntime(StageInspection):
         n = self.num_tokens(args)
         env = self._env(args, n)
         env_max = {**env, self.token_symbol: max(self.plan.sizes)}
-        self._agreement.check_same("the token count and options of the first call",
-                                   [n, self._options_key, len(self.plan.sizes)], self.name)
         state = StageInstance(self.compiled, args, env_max, self.config.debug, self.config.copy_kernel,
                               runs=self._capture_runs, agreement=self._agreement)
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
@@ -380,7 +374,7 @@ class StageRuntime(StageInspection):
                                    [n, b, self._options_key, len(order)], self.name)
         order = self._agreement.leader(order)  # the process's traffic may differ between ranks
         try:
-            state.capture(args, self._env(args, self.num_tokens(args)), order, self._observer, budget)
+            state.capture(args, self._env(args, n), order, self._observer, budget)
         except Exception as e:
             state.failed_buckets[b] = f"{type(e).__name__}: {e}"
             state.executor.forget(b)

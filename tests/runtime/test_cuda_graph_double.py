@@ -8,7 +8,7 @@ capture's outputs before a replay, or lets a graph read anything but its capture
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ from ppcompile.runtime.executors import (
     make_executor,
     non_owning,
 )
+from ppcompile.runtime.group_agreement import Agreement, GroupCaptureError
 
 H = 8
 SIZES = [4, 8, 16]
@@ -454,3 +455,30 @@ def test_a_failed_capture_names_the_op_and_the_node_then_serves_eagerly(cuda: St
     assert "at node host_scaled" in message and "test_cuda_graph_double.py" in message
     torch.testing.assert_close(c(x), m(x))  # graphs are off for the instance: eager from now on
     assert counters.eager_runs == 1
+
+
+class _OtherRankFails(Agreement):
+    """A TP group of two whose other rank's capture fails; records when the capture is settled."""
+
+    size = 2
+
+    def __init__(self, cuda: StrictCuda) -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def exchange(self, values: Sequence[int]) -> list[tuple[int, ...]]:
+        self.cuda.events.append("settle")
+        return [tuple(values), (0,) * len(values)]
+
+
+def test_a_capture_is_settled_with_the_group_before_its_replay(cuda: StrictCuda) -> None:
+    """The replay after capture runs the segment's collectives: a rank whose peer failed to capture must
+    not launch them, so the failure is learnt before the replay and nothing is replayed."""
+    ex = CudaGraphExecutor(num_warmup=2, agreement=_OtherRankFails(cuda))
+    with pytest.raises(GroupCaptureError, match=r"rank\(s\) \[1\]") as info:
+        ex.capture((0, 8), _Segment(cuda), (torch.randn(8, 4), W, 8))
+    assert info.value.ranks == [1]
+    assert cuda.events.index("settle") > cuda.events.index("end capture")
+    assert cuda.events[cuda.events.index("settle"):] == ["settle"]  # no replay, no stream work after it
+    (g,) = cuda.graphs
+    assert g.replays == 0

@@ -134,7 +134,8 @@ def test_tp2_all_reduce_stays_in_graphs_and_equals_eager(style: str) -> None:
         # capture agrees with a few collectives, and they are every collective ppcompile called
         assert by_mode["emulate"]["agreement"] > 0
         assert by_mode["emulate"]["calls"] == by_mode["emulate"]["agreement"]
-        assert by_mode["none"]["calls"] == 0 and by_mode["none"]["agreement"] == 0
+        # without graphs: the first call's check of token count and options, nothing more
+        assert by_mode["none"]["calls"] == by_mode["none"]["agreement"] == 1
 
 
 def _forward_calls_worker(rank: int, world: int) -> dict[str, int]:
@@ -195,29 +196,57 @@ def test_a_capture_failure_on_one_rank_turns_graphs_off_on_every_rank(capture: s
     assert "rank(s) [1]" in str(results[0]["fall_offs"])
 
 
-def _divergent_worker(rank: int, world: int, debug: bool) -> list[str]:
-    """Rank 1 gets one token more than rank 0: at the first call, or (``debug``) after capture."""
+DIVERGENT = {  # per case: the token count each call gives rank 0, and rank 1's difference from it
+    "first call": [(10, 1)],
+    "after capture, debug": [(9, 0), (12, 1), (16, 0)],
+    "graph mode": [(10, 0)],
+}
+
+
+def _divergent_worker(rank: int, world: int, case: str) -> dict[str, Any]:
+    """The ranks are called (or compiled) differently: every rank must raise, none may hang."""
     group = dist.new_group(list(range(world)))
     model = ToyTP(LAYERS, size=world, rank=rank, group=group)
-    options = {"graph_mode": "emulate", "capture_sizes": SIZES, "debug": debug}
-    errors = []
-    for step in range(2 if debug else 1):
-        try:
-            counts = (9, 10) if debug else (10,)
-            shift = rank if step == 1 or not debug else 0
-            _run(model, options, counts=counts if step == 0 else (11,), shift=shift)
-        except GroupDivergenceError as e:
-            errors.append(str(e))
-    return errors
+    mode = "none" if case == "graph mode" and rank == 1 else "emulate"
+    options = {"graph_mode": mode, "capture_sizes": SIZES, "debug": case.endswith("debug")}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="pp_breakable", options=options)
+    errors: dict[int, str] = {}
+    outs: dict[int, torch.Tensor] = {}
+    with torch.inference_mode():
+        for i, (n, shift) in enumerate(DIVERGENT[case]):
+            x = _inputs(n + shift * rank)
+            torch._dynamo.mark_dynamic(x, 0)
+            try:
+                with attention_context(n + shift * rank, LAYERS):
+                    outs[n] = compiled(x).clone()
+            except GroupDivergenceError as e:
+                errors[i] = str(e)
+    return {"errors": errors, "outs": outs}
 
 
-@pytest.mark.parametrize("debug", [False, True])
-def test_ranks_given_different_token_counts_fail_clearly(debug: bool) -> None:
-    results = spawn_ranks(_divergent_worker, 2, args=(debug,), threads=1, timeout_s=120)
-    for errors in results:
-        assert len(errors) == 1, errors
-        assert "disagree on the token count" in errors[0]
-        assert "rank 0: [10" in errors[0] or "rank 0: [11" in errors[0]
+@pytest.mark.parametrize("case", sorted(DIVERGENT))
+def test_ranks_called_or_compiled_differently_fail_clearly(case: str) -> None:
+    results = spawn_ranks(_divergent_worker, 2, args=(case,), threads=1, timeout_s=120)
+    wrong = [i for i, (_, shift) in enumerate(DIVERGENT[case]) if shift] or [0]
+    want = _reference_at([n for n, _ in DIVERGENT[case]])
+    for got in results:
+        assert list(got["errors"]) == wrong, got["errors"]  # every rank raised at that call, no other
+        assert all("disagree on the token count and options" in e for e in got["errors"].values())
+        for n, out in got["outs"].items():  # the calls the ranks agreed on: served, equal to eager
+            torch.testing.assert_close(out, want[n], atol=1e-5, rtol=0)
+    if case == "after capture, debug":
+        assert sorted(results[0]["outs"]) == [9, 16]  # usable after the error
+
+
+def _reference_at(counts: list[int]) -> dict[int, torch.Tensor]:
+    model = ToyTP(LAYERS)
+    with torch.inference_mode():
+        out = {}
+        for n in counts:
+            with attention_context(n, LAYERS):
+                out[n] = model(_inputs(n))
+        return out
 
 
 def _undeclared_worker(rank: int, world: int) -> str:
