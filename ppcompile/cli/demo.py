@@ -7,8 +7,9 @@ wall times. Exits non-zero when a difference exceeds the tolerance.
 
 With ``--distributed`` every stage runs in its own process over torch.distributed (gloo on CPU, NCCL on
 GPU): under ``torchrun --nproc-per-node N -m ppcompile demo --distributed`` this process is one rank;
-without torchrun, ``--pp N`` ranks are spawned. The last rank compares its logits with an in-process eager
-reference and prints the table.
+without torchrun, ``--pp N`` ranks are spawned. With ``--tp T`` each stage is tensor-parallel over ``T``
+ranks (``--pp N --tp T``: ``N * T`` ranks, a stage's TP ranks consecutive). The last rank compares its
+logits with an in-process eager reference of the full model and prints the table.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from ppcompile.cli.args import int_list
 from ppcompile.config import GRAPH_MODES, PPBreakableConfig, graph_path_mode
 from ppcompile.counters import counters
 from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, make_batch
-from ppcompile.pipeline import DistributedStage, InProcessPipeline, init_pipeline_group, spawn_ranks
+from ppcompile.pipeline import (
+    DistributedStage,
+    InProcessPipeline,
+    init_parallel_groups,
+    init_pipeline_group,
+    spawn_ranks,
+)
 from ppcompile.pipeline.distributed import DEFAULT_TIMEOUT_S, default_device
 from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
 
@@ -67,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="one process per stage over torch.distributed: this process is one rank under "
                              "torchrun, otherwise --pp ranks are spawned")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks per stage, with --distributed (default 1)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="torch.distributed backend (default: nccl under torchrun with CUDA, else gloo)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -184,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns the process exit code (1 when a difference exceeds the tolerance)."""
     if args.distributed:
         return run_distributed(args)
+    if args.tp != 1:
+        raise ValueError(f"--tp {args.tp} needs --distributed (one process per rank)")
     setup = _Setup.of(args, torch.device("cpu"))  # InProcessPipeline's device
     cfg, options, atol = setup.cfg, setup.options, setup.atol
     pp = args.pp or _DEFAULT_PP
@@ -239,7 +250,8 @@ def run_distributed(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
         print(report, end="", flush=True)
         return code
-    results = spawn_ranks(_demo_rank, args.pp or _DEFAULT_PP, args=(args,), backend=args.backend or "gloo",
+    world = (args.pp or _DEFAULT_PP) * args.tp
+    results = spawn_ranks(_demo_rank, world, args=(args,), backend=args.backend or "gloo",
                           threads=args.threads, timeout_s=None, pg_timeout_s=args.timeout)
     print(results[-1][1], end="", flush=True)
     return max(code for code, _ in results)
@@ -247,17 +259,20 @@ def run_distributed(args: argparse.Namespace) -> int:
 
 def _demo_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[int, str]:
     """One rank of the distributed demo: ``(exit code, report)``; only the last rank has a report."""
-    if args.pp is not None and args.pp != world:
-        raise ValueError(f"--pp {args.pp} does not match the {world} ranks of the process group; "
-                         "drop --pp under torchrun or make it equal to --nproc-per-node")
+    if args.pp is not None and args.pp * args.tp != world:
+        raise ValueError(f"--pp {args.pp} x --tp {args.tp} does not match the {world} ranks of the process "
+                         "group; drop --pp under torchrun or make --pp x --tp equal to --nproc-per-node")
     torch.set_num_threads(args.threads)
     setup = _Setup.of(args, default_device())
     cfg = setup.cfg
-    stage = DistributedStage(cfg, options=setup.options)
+    groups = init_parallel_groups(args.tp)
+    pp = groups.pp_size
+    stage = DistributedStage(cfg, group=groups.pp_group, options=setup.options, tp=groups.tp)
     t0 = time.perf_counter()
     with torch.inference_mode():  # every rank compiles and captures at once, before the first batch
         # proxies made here are inference tensors, like the received ones: no recompile at the first batch
-        ids, pos, proxies = make_batch(cfg, [setup.warm], rank, world, seed=args.seed, device=stage.device)
+        ids, pos, proxies = make_batch(cfg, [setup.warm], groups.pp_rank, pp, seed=args.seed,
+                                       device=stage.device)
         stage.run_local(pos, [setup.warm], input_ids=ids, pp_proxy_tensors=proxies)
     warm_s = time.perf_counter() - t0
     dist.barrier()
@@ -266,7 +281,7 @@ def _demo_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[int, st
     for i, lens in enumerate(setup.batches):
         compiles = counters.backend_compiles
         with torch.inference_mode():
-            ids, pos, _ = make_batch(cfg, lens, 0, world, seed=args.seed + i, device=stage.device)
+            ids, pos, _ = make_batch(cfg, lens, 0, pp, seed=args.seed + i, device=stage.device)
             out = stage(pos, lens, input_ids=ids)
         trace = stage.trace
         assert trace is not None
@@ -276,33 +291,35 @@ def _demo_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[int, st
     stage.wait_sends()
     described = [rt.describe() for rt in stage_runtimes() if not rt.eager_reason]
     mine = (rows, warm_s, described)
-    gathered: list[Any] | None = [None] * world if stage.is_last else None
+    gathered: list[Any] | None = [None] * world if rank == world - 1 else None  # a last stage's rank
     dist.gather_object(mine, gathered, dst=world - 1)
     if gathered is None:
         return 0, ""
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        code = _report(args, setup, world, gathered, logits)
+        code = _report(args, setup, pp, gathered, logits)
     return code, text.getvalue()
 
 
-def _report(args: argparse.Namespace, setup: _Setup, world: int, gathered: list[Any],
+def _report(args: argparse.Namespace, setup: _Setup, pp: int, gathered: list[Any],
             logits: list[torch.Tensor]) -> int:
-    """The last rank's table: per-stage paths, difference from the in-process eager reference."""
+    """The last rank's table: per-rank paths, difference from the in-process eager reference."""
     cfg = setup.cfg
     backend = dist.get_backend()
-    setup.banner(args, f"PP{world} over torch.distributed ({backend}, {world} processes)",
+    world = len(gathered)
+    layout = f"PP{pp}" if args.tp == 1 else f"PP{pp} x TP{args.tp}"
+    setup.banner(args, f"{layout} over torch.distributed ({backend}, {world} processes)",
                  max(g[1] for g in gathered))
     if setup.options["graph_mode"] == "emulate":
         print("note: graphs are emulated on CPU: pp_breakable times show overhead, not a speed-up")
     for rank, g in enumerate(gathered):
         for text in g[2]:
             print(f"[rank {rank}] {text}")
-    eager = InProcessPipeline(cfg, world, compiled=False)
+    eager = InProcessPipeline(cfg, pp, compiled=False)  # the full model: no TP
     _print_table_header("stage ms")
     failures = 0
     for i, lens in enumerate(setup.batches):
-        ids, pos, _ = make_batch(cfg, lens, 0, world, seed=args.seed + i)
+        ids, pos, _ = make_batch(cfg, lens, 0, pp, seed=args.seed + i)
         want, eager_ms = _timed_eager(eager, ids, pos, lens)
         diff = (want.float() - logits[i]).abs().max().item()
         rows = [g[0][i] for g in gathered]

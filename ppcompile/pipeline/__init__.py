@@ -3,17 +3,25 @@ process over ``torch.distributed`` (``DistributedStage``, launched by torchrun o
 
 from __future__ import annotations
 
-from ppcompile.pipeline.distributed import DistributedStage, ProxySpec, init_pipeline_group
+from ppcompile.pipeline.distributed import (
+    DistributedStage,
+    ParallelGroups,
+    ProxySpec,
+    init_parallel_groups,
+    init_pipeline_group,
+)
 from ppcompile.pipeline.inprocess import InProcessPipeline, StageBinding, StageTrace
 from ppcompile.pipeline.launch import RankError, spawn_ranks
 
 __all__ = [
     "DistributedStage",
     "InProcessPipeline",
+    "ParallelGroups",
     "ProxySpec",
     "RankError",
     "StageBinding",
     "StageTrace",
+    "init_parallel_groups",
     "init_pipeline_group",
     "spawn_ranks",
 ]

@@ -17,6 +17,14 @@ before the stage runs again; ``send_mode="copy"`` sends owned copies instead; ``
 compiles with ``output_slots=k`` (default 2: each forward's outputs stay valid until forward i + k
 starts) and keeps up to k - 1 batches of sends in flight, so the stage computes batch i + 1 while batch
 i is still on the wire, with no copy (a wait on an NCCL send orders the compute stream, not the host).
+
+Tensor parallelism inside a stage (TP x PP): :func:`init_parallel_groups` places global rank
+``pp_rank * tp_size + tp_rank`` in two groups, its stage's TP group (the ranks that hold shards of one
+stage and all-reduce inside it) and its PP group (the ranks with its ``tp_rank``, one per stage). A
+``DistributedStage`` given both runs on its shards and exchanges proxies over its PP group: every rank
+sends to its peer, the rank of the next stage with the same ``tp_rank``. A TP stage's proxies are
+full-width and identical on every rank of the group (its all-reduces make them so), so each peer pair
+carries one copy and no rank waits for another group's sends; the cost is ``tp_size`` copies on the wire.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ppcompile.models import ModelConfig, make_forward_context, make_stage
+from ppcompile.models.tensor_parallel import NO_TP, TensorParallel
 from ppcompile.pipeline.inprocess import (
     STAGE_RECOMPILE_LIMIT,
     StageBinding,
@@ -47,9 +56,11 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "SEND_MODES",
     "DistributedStage",
+    "ParallelGroups",
     "ProxyField",
     "ProxySpec",
     "default_device",
+    "init_parallel_groups",
     "init_pipeline_group",
 ]
 
@@ -140,6 +151,9 @@ class DistributedStage:
         send_mode: ``"wait"`` completes the previous batch's sends before the stage runs again;
             ``"copy"`` sends owned copies (the stage may overwrite its outputs at once); ``"ring"`` keeps
             ``output_slots - 1`` batches of sends in flight (``options["output_slots"]``, default 2).
+        tp: this rank's place in its stage's tensor-parallel group (:func:`init_parallel_groups`); the
+            stage is ``make_stage(cfg, rank, world_size, tp=tp)`` and its options' ``tp_group`` defaults
+            to ``tp.group``. ``group`` must then be this rank's PP group.
     """
 
     def __init__(
@@ -153,10 +167,13 @@ class DistributedStage:
         stage: nn.Module | None = None,
         dynamic: bool | None = None,
         send_mode: str = "wait",
+        tp: TensorParallel = NO_TP,
     ) -> None:
         if send_mode not in SEND_MODES:
             raise ValueError(f"DistributedStage: send_mode must be one of {SEND_MODES}, got {send_mode!r}")
         options = dict(options or {})
+        if tp.size > 1:
+            options.setdefault("tp_group", tp.group)
         if send_mode == "ring":
             options.setdefault("output_slots", 2)
             if not isinstance(options["output_slots"], int) or options["output_slots"] < 2:
@@ -173,9 +190,11 @@ class DistributedStage:
         self.is_last = self.rank == self.world_size - 1
         self.device = torch.device(device) if device is not None else default_device(group)
         self.send_mode = send_mode
+        self.tp = tp
         # Batches whose sends may still be in flight when the stage runs again.
         self.in_flight = int(options["output_slots"]) - 1 if send_mode == "ring" else 0
-        self.stage = stage if stage is not None else make_stage(cfg, self.rank, self.world_size, self.device)
+        self.stage = stage if stage is not None else make_stage(cfg, self.rank, self.world_size, self.device,
+                                                                 tp=tp)
         self.layers = stage_layer_range(cfg, self.stage, self.rank, self.world_size)
         self.binding = StageBinding.of(self.stage)
         self.compiled = compiled
@@ -244,7 +263,7 @@ class DistributedStage:
         warm-up that compiles and captures every rank at once before the first batch)."""
         kwargs = self.binding.kwargs(self.rank, positions, input_ids=input_ids,
                                      pp_proxy_tensors=pp_proxy_tensors, inputs_embeds=inputs_embeds)
-        ctx = make_forward_context(seq_lens, self.cfg, self.layers, device=self.device)
+        ctx = make_forward_context(seq_lens, self.cfg, self.layers, device=self.device, tp_size=self.tp.size)
         out, self.trace = run_traced(self.module, kwargs, ctx, self.rank, self.compiled)
         return out
 
@@ -312,6 +331,34 @@ class DistributedStage:
 
 
 # ------------------------------------------------------------------------------------------ process groups
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """This process's place in a TP x PP job (global rank ``pp_rank * tp.size + tp.rank``)."""
+
+    tp: TensorParallel  # its stage's TP group (NO_TP with one rank per stage)
+    pp_group: dist.ProcessGroup | None  # the ranks with its tp rank, one per stage (None: the default group)
+    pp_rank: int
+    pp_size: int
+
+
+def init_parallel_groups(tp_size: int) -> ParallelGroups:
+    """Splits the default group's ranks into ``world / tp_size`` stages of ``tp_size`` consecutive ranks
+    (TP inside a stage, as on one node) and creates the TP and PP groups. Every rank must call it, in the
+    same order relative to other ``new_group`` calls."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1 or world % tp_size:
+        raise ValueError(f"init_parallel_groups: tp_size must be a positive divisor of the world size "
+                         f"({world}), got {tp_size!r}")
+    pp_size = world // tp_size
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    if tp_size == 1:
+        return ParallelGroups(NO_TP, None, pp_rank, pp_size)
+    tp_groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+    pp_groups = [dist.new_group(list(range(t, world, tp_size))) for t in range(tp_size)]
+    return ParallelGroups(TensorParallel(tp_rank, tp_size, tp_groups[pp_rank]), pp_groups[tp_rank],
+                          pp_rank, pp_size)
+
+
 def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """``cuda:<rank % device count>`` for an NCCL group (one node, one GPU per rank), else CPU."""
     if dist.get_backend(group) == "nccl":
