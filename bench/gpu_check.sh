@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU check, sized for ONE command on one H200 with cold caches: at most BUDGET_S (480 s) in all. In order:
 #   preflight           bench/gpu_preflight.py: versions, device, C compiler, Python headers, one fused
-#                       copy (which kernel `copy_kernel="auto"` ends up with), one CUDA graph capture
-#   pytest_gpu          the GPU tests, by an explicit file list (GPU_TESTS; correctness before figures)
+#                       copy (which kernel `copy_kernel="auto"` ends up with), one CUDA graph capture,
+#                       one capture of a one-rank NCCL all-reduce
+#   pytest_gpu          the GPU tests, by an explicit file list (GPU_TESTS; correctness before figures),
+#                       a one-rank NCCL TP stage among them
 #   throughput_profile  prefill throughput with CUDA graphs, then wall vs busy (one process, one compile)
 #   overhead            the runtime's host overhead per forward and per segment
 #   lazy_capture        startup: graphs captured and first-forward seconds, all vs lazy vs planned ladder
@@ -31,7 +33,9 @@ cd "$(dirname "$0")/.."
 # ------------------------------------------------------------------------------------------ the plan
 BUDGET_S=480
 # Steps in the order they run, name=limit in seconds (each limit includes the step's torch start-up).
-PLAN=(preflight=30 pytest_gpu=130 throughput_profile=110 overhead=30 lazy_capture=40 fold_segments=25
+# preflight and pytest_gpu each hold a one-rank NCCL group (init, warm-up, captures): +10 s and +15 s,
+# taken from throughput_profile and lazy_capture.
+PLAN=(preflight=40 pytest_gpu=145 throughput_profile=90 overhead=30 lazy_capture=35 fold_segments=25
       launches=20 fused_copy=20)
 # Outside the steps, each under its own timeout: pip install -e ., the torch/CUDA probe, the render of
 # benchmarks.md, and the shell itself (nvidia-smi, copies).
@@ -43,6 +47,7 @@ DRY_PLAN=(preflight=60 pytest_gpu=120 throughput_profile=90 overhead=60 lazy_cap
 # tests/bench/test_gpu_check_plan.py checks this list against the files that have the mark.
 GPU_TESTS=(
   tests/runtime/test_cuda_graphs_gpu.py
+  tests/runtime/test_tensor_parallel_gpu.py
   tests/reliability/test_reliability_gpu.py
   tests/runtime/test_in_place_breaks.py
   tests/runtime/test_out_variant_breaks.py

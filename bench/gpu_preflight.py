@@ -12,6 +12,10 @@ Checks, each independent (one that raises is recorded with its error and the nex
   ``kernel="triton"`` copier is tried to record why.
 * ``cuda_graph``: one tiny capture through ``ppcompile.torch_internals.cuda_graph_capture`` under
   ``torch.cuda.set_sync_debug_mode("error")``, then a replay on new input and its numbers checked.
+* ``nccl_graph``: a one-rank NCCL process group (in-memory store), one warm-up all-reduce, then an
+  in-place ``all_reduce`` and an out-of-place ``all_gather_into_tensor`` captured the same way, replayed
+  on new input and checked; the phase that failed (init, warm_up, capture, replay) is recorded. Then the
+  graph is freed and the group destroyed (a check of at most ``NCCL_DESTROY_S`` seconds).
 
 On ``--device cpu`` the CUDA-only checks are recorded as skipped. The results go to ``--out`` (JSON),
 rewritten after every check, so a crash leaves what was found (and which check was running). Exit code 1
@@ -23,6 +27,8 @@ Run alone: ``python bench/gpu_preflight.py [--device auto|cpu|cuda] [--out prefl
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
 import importlib
 import json
 import logging
@@ -31,6 +37,7 @@ import platform
 import shutil
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +51,7 @@ import torch
 __all__ = ["CHECKS", "CUDA_ONLY", "run_checks"]
 
 Details = dict[str, Any]
+NCCL_DESTROY_S = 10.0
 
 
 class CheckFailed(RuntimeError):
@@ -191,6 +199,82 @@ def _cuda_graph(device: torch.device) -> Details:
     return {"replayed": got[0]}
 
 
+def _destroy_group(seconds: float) -> str:
+    """``destroy_process_group()`` in a thread: ``"ok"``, or why it did not end within ``seconds``."""
+    import torch.distributed as dist
+
+    outcome = [f"did not return in {seconds:g} s (a graph holding NCCL work alive, or a stuck collective)"]
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+            outcome[0] = "ok"
+        except Exception as e:
+            outcome[0] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=destroy, name="destroy_process_group", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return outcome[0]
+
+
+def _nccl_graph(device: torch.device) -> Details:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        raise RuntimeError("this torch has no NCCL (torch.distributed.is_nccl_available() is False)")
+    if dist.is_initialized():
+        raise RuntimeError("a default process group is already initialised in this process")
+    from ppcompile.torch_internals import cuda_graph_capture
+
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    info: Details = {"nccl": ".".join(str(v) for v in torch.cuda.nccl.version()), "phase": "init"}
+    torch.cuda.set_device(device)
+    graph: Any = None
+    try:
+        start = time.perf_counter()
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device,
+                                timeout=datetime.timedelta(seconds=20))
+        info["init_s"] = round(time.perf_counter() - start, 3)
+        info["phase"] = "warm_up"  # the communicator is created outside the capture
+        x = torch.full((8,), 2.0, device=device)
+        gathered = torch.zeros(8, device=device)
+        warm = x * 3 + 1
+        dist.all_reduce(warm)
+        dist.all_gather_into_tensor(gathered, warm)
+        torch.cuda.synchronize(device)
+        info["phase"] = "capture"
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        with cuda_graph_capture(graph, pool, stream):
+            y = x * 3 + 1
+            dist.all_reduce(y)  # in place: no copy for NCCL to make at one rank
+            dist.all_gather_into_tensor(gathered, y)  # out of place: NCCL copies y into gathered
+        torch.cuda.current_stream(device).wait_stream(stream)
+        info["phase"] = "replay"
+        x.fill_(5.0)
+        gathered.zero_()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        got = (y.tolist(), gathered.tolist())
+        if got != ([16.0] * 8, [16.0] * 8):
+            raise RuntimeError(f"the replay on x = 5 gave all_reduce {got[0]}, all_gather {got[1]}; expected "
+                               "16.0 everywhere")
+        info["phase"] = "done"
+        info["replayed"] = got[0][0]
+    except Exception as e:
+        raise CheckFailed(f"{info['phase']}: {type(e).__name__}: {e}", info) from e
+    finally:
+        graph = None  # a communicator waits for the graphs that captured its work
+        gc.collect()
+        if dist.is_initialized():
+            info["destroy"] = _destroy_group(NCCL_DESTROY_S)
+    if info.get("destroy", "ok") != "ok":
+        raise CheckFailed(f"destroy_process_group: {info['destroy']}", info)
+    return info
+
+
 CHECKS: dict[str, Callable[[torch.device], Details]] = {
     "versions": _versions,
     "cuda_device": _cuda_device,
@@ -199,8 +283,9 @@ CHECKS: dict[str, Callable[[torch.device], Details]] = {
     "test_deps": _test_deps,
     "fused_copy": _fused_copy,
     "cuda_graph": _cuda_graph,
+    "nccl_graph": _nccl_graph,
 }
-CUDA_ONLY = frozenset(("cuda_device", "cuda_graph"))
+CUDA_ONLY = frozenset(("cuda_device", "cuda_graph", "nccl_graph"))
 
 
 def _write(path: Path | None, record: Details) -> None:

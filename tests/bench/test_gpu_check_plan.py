@@ -81,9 +81,9 @@ def test_preflight_on_cpu_records_every_check(tmp_path: Path) -> None:
     record = json.loads(out.read_text())
     checks = record["checks"]
     assert list(checks) == ["versions", "cuda_device", "c_compiler", "python_headers", "test_deps",
-                            "fused_copy", "cuda_graph"]
+                            "fused_copy", "cuda_graph", "nccl_graph"]
     assert record["finished"] and record["device"] == "cpu"
-    assert checks["cuda_device"]["status"] == checks["cuda_graph"]["status"] == "skipped"
+    assert {checks[name]["status"] for name in ("cuda_device", "cuda_graph", "nccl_graph")} == {"skipped"}
     assert checks["fused_copy"]["status"] == "ok" and checks["fused_copy"]["auto_kind"] == "torch"
     assert checks["versions"]["torch"]
     assert not (tmp_path / "preflight.json.tmp").exists()

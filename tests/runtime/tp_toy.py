@@ -5,7 +5,8 @@ The all-reduce is one of four styles: ``"dist"`` (``torch.distributed.all_reduce
 engines call it), ``"funcol"`` (``_functional_collectives.all_reduce``), ``"custom"`` and
 ``"custom_"`` (engine-style custom ops, out of place and in place, declared through the
 ``collective_ops`` option). Rank ``r`` of ``size`` holds shards of the same full weights, so any TP
-size computes the same answer as ``ToyTP(size=1)``.
+size computes the same answer as ``ToyTP(size=1)``. At size 1 the all-reduce is left out unless
+``force_collective`` (a one-rank group still calls it: the GPU test's one-rank NCCL stage).
 """
 
 from __future__ import annotations
@@ -75,12 +76,14 @@ class ToyTP(torch.nn.Module):
     layer id; ``size`` ranks of ``group`` each hold ``ffn / size`` of the MLP."""
 
     def __init__(self, layer_ids: Sequence[int], style: str = "dist", size: int = 1, rank: int = 0,
-                 group: Any = None, ffn: int = 16, inject: bool = False) -> None:
+                 group: Any = None, ffn: int = 16, inject: bool = False,
+                 force_collective: bool = False) -> None:
         super().__init__()
         if style not in STYLES:
             raise ValueError(f"style must be one of {STYLES}, got {style!r}")
         self.layer_ids = tuple(layer_ids)
         self.style, self.size, self.group, self.inject = style, size, group, inject
+        self.force_collective = force_collective
         _GROUP[0] = group
         shard = ffn // size
         self.ups = torch.nn.ParameterList()
@@ -91,7 +94,7 @@ class ToyTP(torch.nn.Module):
             self.downs.append(torch.nn.Parameter(down[:, rows].clone(), requires_grad=False))
 
     def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:
-        if self.size == 1:
+        if self.size == 1 and not self.force_collective:
             return y
         if self.style == "dist":
             dist.all_reduce(y, group=self.group)
