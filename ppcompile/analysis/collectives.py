@@ -42,8 +42,9 @@ MOVES_DIM0 = frozenset({"all_gather_into_tensor", "all_gather_into_tensor_out",
                         "all_to_all_single"})
 _NAMESPACE = "_c10d_functional::"
 _ACROSS_TOKENS = {
-    "all_gather": "stacks every rank's token rows along the token dim (sequence parallelism): a "
-                  "bucket's padded rows would sit between the ranks' live rows",
+    "all_gather": "stacks every rank's rows along dim 0, a token dim (sequence parallelism, or a gather "
+                  "to another dim not written as chunk + cat, which ppcompile follows): a bucket's "
+                  "padded rows would sit between the ranks' live rows",
     "reduce_scatter": "splits the token dim between ranks (sequence parallelism): with padding, each "
                       "rank would get other rows than its live share",
     "all_to_all": "exchanges token rows between ranks: with padding, padded rows would reach live rows "
@@ -155,6 +156,14 @@ def _scatter_round_trip(scatter: torch.fx.Node, ranks: int) -> tuple[list[torch.
     return [chunk, *items, cat], dim
 
 
+# The ops whose round trip through dim 0 to another dim is recognised: its label and its finder.
+_RoundTrip = Callable[[torch.fx.Node, int], "tuple[list[torch.fx.Node], int] | None"]
+_ROUND_TRIPS: dict[str, tuple[str, _RoundTrip]] = {
+    "all_gather_into_tensor": ("all_gather", _gather_round_trip),
+    "reduce_scatter_tensor": ("reduce_scatter", _scatter_round_trip),
+}
+
+
 def _ranks_arg(node: torch.fx.Node) -> int | None:
     size = node.kwargs.get("group_size", next((a for a in node.args[1:] if isinstance(a, int)), None))
     return size if isinstance(size, int) else None
@@ -187,23 +196,17 @@ def find_collective_uses(
             uses[node] = Collective(name, group, unknown)
             continue
         source = node.args[0]
-        first = source[0] if isinstance(source, (list, tuple)) and source else source
-        if not isinstance(first, torch.fx.Node) or 0 not in token_dim_sizes(first):
-            uses[node] = Collective(f"{name} along dim 0", group)
+        tensors = source if isinstance(source, (list, tuple)) else [source]
+        if not any(isinstance(t, torch.fx.Node) and 0 in token_dim_sizes(t) for t in tensors):
+            uses[node] = Collective(f"{name} along dim 0", group)  # every tensor's dim 0 is no token dim
             continue
         kind = next(k for k in _ACROSS_TOKENS if name.startswith(k))
         ranks = _ranks_arg(node)
-        if name == "all_gather_into_tensor" and ranks is not None:
-            found = _gather_round_trip(node, ranks)
-            if found is not None:
-                use = Collective(f"all_gather along dim {found[1]}", group)
-                uses.update({n: use for n in (node, *found[0])})
-                continue
-        if name == "reduce_scatter_tensor" and ranks is not None:
-            found = _scatter_round_trip(node, ranks)
-            if found is not None:
-                use = Collective(f"reduce_scatter along dim {found[1]}", group)
-                uses.update({n: use for n in (node, *found[0])})
-                continue
+        label, round_trip = _ROUND_TRIPS.get(name, ("", None))
+        found = round_trip(node, ranks) if round_trip is not None and ranks is not None else None
+        if found is not None:
+            use = Collective(f"{label} along dim {found[1]}", group)
+            uses.update({n: use for n in (node, *found[0])})
+            continue
         uses[node] = Collective(f"{name} along the token dim", group, _ACROSS_TOKENS.get(kind))
     return uses

@@ -109,7 +109,7 @@ def exchange_tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("fn", "words"), [
-    (gather_tokens, "stacks every rank's token rows"),
+    (gather_tokens, "stacks every rank's rows along dim 0, a token dim"),
     (scatter_tokens, "splits the token dim between ranks"),
     (exchange_tokens, "exchanges token rows between ranks"),
 ])
