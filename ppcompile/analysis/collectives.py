@@ -117,12 +117,14 @@ def _cat_of(pieces: list[torch.fx.Node]) -> torch.fx.Node | None:
 def _gather_round_trip(gather: torch.fx.Node, ranks: int) -> tuple[list[torch.fx.Node], int] | None:
     """``all_gather_into_tensor -> wait_tensor -> chunk(ranks, 0) -> cat(d)``: its nodes after the
     gather and ``d``, when ``d`` is no token dim; else None."""
-    if len(gather.users) != 1:
+    waits: list[torch.fx.Node] = []
+    last = gather
+    while len(last.users) == 1 and functional_collective(next(iter(last.users))) == "wait_tensor":
+        last = next(iter(last.users))  # funcol waits once itself; a caller may wait again
+        waits.append(last)
+    if not waits or len(last.users) != 1:
         return None
-    wait = next(iter(gather.users))
-    if functional_collective(wait) != "wait_tensor" or len(wait.users) != 1:
-        return None
-    chunk = next(iter(wait.users))
+    chunk = next(iter(last.users))
     if not _is_call(chunk, "chunk") or chunk.args[1] != ranks or _dim_arg(chunk, 2) != 0:
         return None
     pieces = _chunk_pieces(chunk, ranks)
@@ -132,7 +134,7 @@ def _gather_round_trip(gather: torch.fx.Node, ranks: int) -> tuple[list[torch.fx
     dim = _dim_arg(cat, 1)
     if dim is None or dim in token_dim_sizes(pieces[0]):
         return None
-    return [wait, chunk, *pieces, cat], dim
+    return [*waits, chunk, *pieces, cat], dim
 
 
 def _scatter_round_trip(scatter: torch.fx.Node, ranks: int) -> tuple[list[torch.fx.Node], int] | None:

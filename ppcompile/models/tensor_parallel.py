@@ -80,7 +80,10 @@ class TensorParallel:
         """The ranks' ``x`` side by side along the last dim (rank order); ``x`` itself with one rank."""
         if self.size == 1:
             return x
-        return funcol.wait_tensor(_all_gather(x, x.dim() - 1, self.group))
+        # Gathered along dim 0, then chunk + cat: torch 2.11's gather to another dim calls a helper
+        # Dynamo will not trace (a graph break); this is the round trip pp_breakable keeps in graphs.
+        stacked = funcol.wait_tensor(_all_gather(x, 0, self.group))
+        return torch.cat(torch.chunk(stacked, self.size, dim=0), dim=-1)
 
 
 NO_TP = TensorParallel()

@@ -74,8 +74,11 @@ def test_all_reduces_are_recorded_with_their_group_and_stay_token_local() -> Non
 
 
 def gather_features(x: torch.Tensor) -> torch.Tensor:
+    """A gather along the last dim, written as a gather along dim 0 and chunk + cat (what torch 2.13's
+    ``all_gather_tensor(x, -1, group)`` traces to; 2.11's does not trace)."""
     logits = x @ W
-    return funcol.all_gather_tensor(logits, -1, dist.group.WORLD) * 2
+    stacked = funcol.wait_tensor(funcol.all_gather_tensor(logits, 0, dist.group.WORLD))
+    return torch.cat(torch.chunk(stacked, dist.get_world_size(), dim=0), dim=-1) * 2
 
 
 def scatter_features(x: torch.Tensor) -> torch.Tensor:
