@@ -17,6 +17,7 @@ from ppcompile.planning import plan_buckets
 from ppcompile.proxy import PPProxyTensors
 from ppcompile.regions import eager_region, token_local
 from ppcompile.runtime.executors import ReplayAddressError
+from ppcompile.runtime.fences import fence_outputs
 from ppcompile.runtime.stage_runtime import ConcurrentCallError
 from ppcompile.runtime.stale_outputs import StaleOutputError
 from ppcompile.runtime.validation import InputMismatchError
@@ -34,6 +35,7 @@ __all__ = [
     "TokenHistogram",
     "counters",
     "eager_region",
+    "fence_outputs",
     "mark_token_dynamic",
     "plan_buckets",
     "pp_breakable",

@@ -6,7 +6,9 @@ bucket) graphs; ``backend_compiles`` counts calls of the backend by Dynamo; ``se
 graph segments actually compiled (unique structures; eager segments compile nothing) and
 ``segment_cache_hits`` the segments that reused an artifact of the same structure; ``fall_offs`` counts,
 by cause, the stage graphs whose forwards stopped reaching the graph path for a reason other than the
-documented policy (``StageRuntime.fall_offs()``: one warning per stage graph and cause).
+documented policy (``StageRuntime.fall_offs()``: one warning per stage graph and cause);
+``fence_waits`` counts, by kind of fence, the send fences a stage waited before reusing an output ring
+slot (``ppcompile.fence_outputs``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Counters:
     segment_cache_hits: int = 0
     replays_by_bucket: Counter[int] = dataclasses.field(default_factory=Counter)
     fall_offs: Counter[str] = dataclasses.field(default_factory=Counter)
+    fence_waits: Counter[str] = dataclasses.field(default_factory=Counter)
 
     def reset(self) -> None:
         """Sets every count back to zero."""
@@ -51,8 +54,8 @@ class Counters:
     def expect(self, **deltas: Any) -> Iterator[None]:
         """Asserts that the block changes each named count by exactly the given delta.
 
-        ``replays_by_bucket`` and ``fall_offs`` take a dict ``{key: delta}``; keys not named must not
-        change.
+        ``replays_by_bucket``, ``fall_offs`` and ``fence_waits`` take a dict ``{key: delta}``; keys not
+        named must not change.
         """
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(deltas) - names)

@@ -123,7 +123,8 @@ def _output_ring(runtime: StageRuntime) -> dict[str, Any] | None:
     return {
         "slots": ring.depth,
         "outputs": [runtime.program.producer(s) for s in ring.slots],
-        "bytes_per_slot": sum(t.untyped_storage().nbytes() for t in held[0].slots[0]) if held else None,
+        "bytes_per_slot": (sum(t.untyped_storage().nbytes() for t in held[0].slots[0].buffers)
+                           if held else None),
         "copies_per_forward": len(ring.slots),
     }
 

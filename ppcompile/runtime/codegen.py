@@ -224,11 +224,12 @@ def graph_forward_source(
     (zeroing the padding rows), replay graph segments, narrow what breaks and callers read to the live
     size, run breaks on live tensors and copy what graphs read into static bridges; last, copy each
     input a graph wrote in place back into the caller's tensor, and with an ``output_ring``, copy each
-    output in static memory into this call's ring slot (``ring``: its buffers). ``copies``: the
-    functions that copy inputs and bridges (default :data:`COPY_FUNCTIONS`; a profiler wraps them).
-    ``fused``: each copy point (``Program.copy_points``) fills its ``fused`` buffers with one call of
-    its copier (``copiers[point.index]``), e.g. ``copiers[0]((v0, v1), (n0, n0), (b0, b0))``, instead of
-    a copy and a zeroing per tensor; its other buffers are filled by torch ops.
+    output in static memory into this call's ring slot (``ring``: a ``FencedSlot``, claimed first: it
+    waits for the sends still reading it). ``copies``: the functions that copy inputs and bridges
+    (default :data:`COPY_FUNCTIONS`; a profiler wraps them). ``fused``: each copy point
+    (``Program.copy_points``) fills its ``fused`` buffers with one call of its copier
+    (``copiers[point.index]``), e.g. ``copiers[0]((v0, v1), (n0, n0), (b0, b0))``, instead of a copy and a
+    zeroing per tensor; its other buffers are filled by torch ops.
     """
     names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, **(copies or COPY_FUNCTIONS)}
     live, bucket = _Sizes("n", "env_n", names), _Sizes("b", "env_b", names)
@@ -307,9 +308,11 @@ def graph_forward_source(
                 fill_point(step.copies)
     body += [f"args[{s}].copy_(v{s})" for s in program.written_inputs]  # the caller's tensor, as eager
     ring = program.output_ring
-    for j, s in enumerate(() if ring is None else ring.slots):  # this call's slot: ring[j] holds slot s
+    if ring is not None:
+        body.append("ring_buffers = ring.claim()")  # waits for the sends still reading this slot
+    for j, s in enumerate(() if ring is None else ring.slots):  # ring_buffers[j] holds slot s
         names[f"dims_{s}"] = dims_of(s)
-        body.append(f"v{s} = copy_out(ring[{j}], v{s}, dims_{s}, env_n)")
+        body.append(f"v{s} = copy_out(ring_buffers[{j}], v{s}, dims_{s}, env_n)")
     outputs = _outputs(program, live, names)
     header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers, ring):"
     source = _function(header,
@@ -330,7 +333,7 @@ def make_graph_forward(program: Program, stage: str, binds_inputs: bool, pass_ar
     """Compiles ``program``'s graph path (:func:`graph_forward_source`): called as
     ``fn(args, static, env_n, env_b, executor.replay, n, b, copiers, ring)``
     (``copiers``: one per ``Program.copy_points`` entry when ``fused``, else unused; ``ring``: this call's
-    output ring slot, or None without a ring), it returns the stage's
+    output ring slot, a ``fences.FencedSlot``, or None without a ring), it returns the stage's
     outputs at the live size (views into static memory)."""
     source, names = graph_forward_source(program, binds_inputs, pass_args, copies, fused)
     segments = tuple(st.segment.name for st in program.steps)

@@ -24,6 +24,7 @@ import sympy
 import torch
 
 from ppcompile.runtime.codegen import COPY_FUNCTIONS, GraphForward, make_graph_forward, replay_passes_args
+from ppcompile.runtime.fences import FencedSlot, register_slot
 from ppcompile.runtime.program import CopyPoint, Program
 
 __all__ = ["CATEGORIES", "GraphPath", "RingSlots", "Wrap", "bind_graph_path", "copy_category",
@@ -50,16 +51,19 @@ def _point_category(point: CopyPoint) -> str:
 class RingSlots:
     """An instance's output ring (``Program.output_ring``): ``depth`` slots of buffers, one per copied
     output, handed out in turn, one slot per graph-path call. The plain and instrumented paths of an
-    instance share it, so their calls take turns in one order."""
+    instance share it, so their calls take turns in one order. A call writes its slot after waiting for
+    the send fences on it (``fences.fence_outputs``)."""
 
     __slots__ = ("_next", "slots")
 
     def __init__(self, slots: Sequence[tuple[torch.Tensor, ...]]) -> None:
-        self.slots = tuple(slots)
+        self.slots = tuple(FencedSlot(buffers) for buffers in slots)
+        for slot in self.slots:
+            register_slot(slot)
         self._next = 0
 
-    def take(self) -> tuple[torch.Tensor, ...]:
-        """This call's slot; the next call gets the one after it."""
+    def take(self) -> FencedSlot:
+        """This call's slot (``claim()`` it before writing); the next call gets the one after it."""
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
         return slot

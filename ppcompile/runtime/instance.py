@@ -88,8 +88,8 @@ class StageInstance:
         """Every tensor calls write: static inputs, bridges, captured graph outputs, the output ring."""
         yield from self._buffers.values()
         if self.ring is not None:
-            for buffers in self.ring.slots:
-                yield from buffers
+            for ring_slot in self.ring.slots:
+                yield from ring_slot.buffers
         module_slots = {*self._compiled.state_slots, *self._compiled.scalar_slots}
         for table in self.tables.values():
             for slot, value in enumerate(table):
