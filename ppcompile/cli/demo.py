@@ -21,7 +21,7 @@ import io
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,11 +35,12 @@ from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, make_batch
 from ppcompile.pipeline import (
     DistributedStage,
     InProcessPipeline,
+    MicroBatch,
     init_parallel_groups,
     init_pipeline_group,
     spawn_ranks,
 )
-from ppcompile.pipeline.distributed import DEFAULT_TIMEOUT_S, default_device
+from ppcompile.pipeline.groups import DEFAULT_TIMEOUT_S, default_device
 from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
 
 __all__ = ["add_arguments", "default_token_stream", "parse_tokens", "run", "run_distributed", "split_tokens"]
@@ -76,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torchrun, otherwise --pp ranks are spawned")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks per stage, with --distributed (default 1)")
+    parser.add_argument("--depth", type=int, default=1,
+                        help="micro-batches in flight per rank, with --distributed: sends outstanding while "
+                             "the stage computes, receives posted ahead (default 1)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="torch.distributed backend (default: nccl under torchrun with CUDA, else gloo)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -195,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         return run_distributed(args)
     if args.tp != 1:
         raise ValueError(f"--tp {args.tp} needs --distributed (one process per rank)")
+    if args.depth != 1:
+        raise ValueError(f"--depth {args.depth} needs --distributed (micro-batches in flight between ranks)")
     setup = _Setup.of(args, torch.device("cpu"))  # InProcessPipeline's device
     cfg, options, atol = setup.cfg, setup.options, setup.atol
     pp = args.pp or _DEFAULT_PP
@@ -267,7 +273,8 @@ def _demo_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[int, st
     cfg = setup.cfg
     groups = init_parallel_groups(args.tp)
     pp = groups.pp_size
-    stage = DistributedStage(cfg, group=groups.pp_group, options=setup.options, tp=groups.tp)
+    stage = DistributedStage(cfg, group=groups.pp_group, options=setup.options, tp=groups.tp,
+                             depth=args.depth)
     t0 = time.perf_counter()
     with torch.inference_mode():  # every rank compiles and captures at once, before the first batch
         # proxies made here are inference tensors, like the received ones: no recompile at the first batch
@@ -278,17 +285,21 @@ def _demo_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[int, st
     dist.barrier()
     rows: list[tuple[str, int | None, float, int]] = []
     logits: list[torch.Tensor] = []
-    for i, lens in enumerate(setup.batches):
-        compiles = counters.backend_compiles
-        with torch.inference_mode():
+
+    def micro_batches() -> Iterator[MicroBatch]:
+        for i, lens in enumerate(setup.batches):
             ids, pos, _ = make_batch(cfg, lens, 0, pp, seed=args.seed + i, device=stage.device)
-            out = stage(pos, lens, input_ids=ids)
-        trace = stage.trace
-        assert trace is not None
-        rows.append((trace.path, trace.bucket, 1e3 * trace.seconds, counters.backend_compiles - compiles))
-        if out is not None:
-            logits.append(out.to("cpu", torch.float32, copy=True))
-    stage.wait_sends()
+            yield MicroBatch(pos, lens, input_ids=ids)
+
+    compiles = counters.backend_compiles
+    with torch.inference_mode():
+        for out in stage.run(micro_batches()):
+            trace = stage.trace
+            assert trace is not None
+            rows.append((trace.path, trace.bucket, 1e3 * trace.seconds, counters.backend_compiles - compiles))
+            compiles = counters.backend_compiles
+            if out is not None:
+                logits.append(out.to("cpu", torch.float32, copy=True))
     described = [rt.describe() for rt in stage_runtimes() if not rt.eager_reason]
     mine = (rows, warm_s, described)
     gathered: list[Any] | None = [None] * world if rank == world - 1 else None  # a last stage's rank
@@ -308,6 +319,7 @@ def _report(args: argparse.Namespace, setup: _Setup, pp: int, gathered: list[Any
     backend = dist.get_backend()
     world = len(gathered)
     layout = f"PP{pp}" if args.tp == 1 else f"PP{pp} x TP{args.tp}"
+    layout += f", {args.depth} micro-batch{'es' if args.depth > 1 else ''} in flight per rank"
     setup.banner(args, f"{layout} over torch.distributed ({backend}, {world} processes)",
                  max(g[1] for g in gathered))
     if setup.options["graph_mode"] == "emulate":

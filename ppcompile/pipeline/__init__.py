@@ -3,19 +3,17 @@ process over ``torch.distributed`` (``DistributedStage``, launched by torchrun o
 
 from __future__ import annotations
 
-from ppcompile.pipeline.distributed import (
-    DistributedStage,
-    ParallelGroups,
-    ProxySpec,
-    init_parallel_groups,
-    init_pipeline_group,
-)
+from ppcompile.pipeline.distributed import DistributedStage, MicroBatch
+from ppcompile.pipeline.groups import ParallelGroups, init_parallel_groups, init_pipeline_group
 from ppcompile.pipeline.inprocess import InProcessPipeline, StageBinding, StageTrace
 from ppcompile.pipeline.launch import RankError, spawn_ranks
+from ppcompile.pipeline.wire import PackedLayout, ProxySpec
 
 __all__ = [
     "DistributedStage",
     "InProcessPipeline",
+    "MicroBatch",
+    "PackedLayout",
     "ParallelGroups",
     "ProxySpec",
     "RankError",

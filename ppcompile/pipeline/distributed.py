@@ -1,39 +1,38 @@
 """Real pipeline parallelism: one PP stage per process, proxies exchanged over ``torch.distributed``.
 
 Each rank builds its stage (``make_stage(cfg, rank, world_size)`` unless one is given), compiles it with
-``pp_breakable`` and, per batch, receives the previous rank's proxies, runs its stage under a forward
-context for its own global layers, and sends its proxies to the next rank; the last rank returns logits.
-The transport is torch.distributed point-to-point (gloo on CPU, NCCL on GPU), always outside the compiled
-stage, so each rank decides graph or eager on its own (token count, its cap, its padding guard).
+``pp_breakable`` and, per micro-batch, receives the previous rank's proxies, runs its stage under a
+forward context for its own global layers, and sends its proxies to the next rank; the last rank returns
+logits. The transport is torch.distributed point-to-point (gloo on CPU, NCCL on GPU), always outside the
+compiled stage, so each rank decides graph or eager on its own (token count, its cap, its padding guard).
 
-Wire protocol: the proxies' names, dtypes and per-token row shapes (a :class:`ProxySpec`) travel once,
-with the first batch; afterwards each tensor's shape follows from the batch (``sum(seq_lens)`` rows,
-which every rank knows), so a batch is one message per proxy, in spec order.
+Wire protocol (``wire.py``): the proxies' spec travels once, with the first micro-batch; afterwards a
+micro-batch is **one message**, every proxy packed into one byte buffer (``PackedLayout``), sized by
+the batch's token count, which every rank knows. The receiver unpacks it with views.
 
-Send safety: a compiled stage's outputs may be views into static buffers that its next call overwrites
-(DESIGN invariant 4), and a send reads its tensor until its work completes (gloo reads it only when the
-receiver posts the matching recv). ``send_mode="wait"`` therefore completes the previous batch's sends
-before the stage runs again; ``send_mode="copy"`` sends owned copies instead; ``send_mode="ring"``
-compiles with ``output_slots=k`` (default 2: each forward's outputs stay valid until forward i + k
-starts) and keeps up to k - 1 batches of sends in flight, so the stage computes batch i + 1 while batch
-i is still on the wire, with no copy (a wait on an NCCL send orders the compute stream, not the host).
+Micro-batches in flight (``depth`` d): a rank keeps up to d micro-batches' sends in flight and, in
+:meth:`DistributedStage.run`, posts its receives d - 1 micro-batches ahead, so the previous rank's sends
+complete while it computes. The pack is the copy that makes a send safe: the stage may overwrite its own
+outputs (views into graph memory, DESIGN invariant 4) as soon as they are packed, so it never waits for a
+send before it runs. A send buffer is reused only after the send that last read it completed
+(``send_mode="ring"``: d buffers, micro-batch i waits for the send of i - d before packing); ``"copy"``
+packs into a fresh buffer each time (the allocator's memory, bounded by the same d); ``"wait"`` orders
+each forward after the previous micro-batch's send (nothing overlaps; the schedule to compare with).
+With NCCL a send runs on NCCL's communication stream, ordered after the pack by NCCL's own event, and
+waiting for it orders the compute stream after it: no host synchronisation. With gloo a wait blocks.
 
-Tensor parallelism inside a stage (TP x PP): :func:`init_parallel_groups` places global rank
-``pp_rank * tp_size + tp_rank`` in two groups, its stage's TP group (the ranks that hold shards of one
-stage and all-reduce inside it) and its PP group (the ranks with its ``tp_rank``, one per stage). A
-``DistributedStage`` given both runs on its shards and exchanges proxies over its PP group: every rank
-sends to its peer, the rank of the next stage with the same ``tp_rank``. A TP stage's proxies are
-full-width and identical on every rank of the group (its all-reduces make them so), so each peer pair
-carries one copy and no rank waits for another group's sends; the cost is ``tp_size`` copies on the wire.
+Tensor parallelism inside a stage (TP x PP, ``groups.py``): a ``DistributedStage`` given its TP group
+and its PP group exchanges proxies over the PP group: every rank sends to its peer, the rank of the next
+stage with the same ``tp_rank``. A TP stage's proxies are full-width and identical on every rank of the
+group (its all-reduces make them so), so each peer pair carries one copy and no rank waits for another
+group's sends; the cost is ``tp_size`` copies on the wire.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
-import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +41,13 @@ from torch import nn
 
 from ppcompile.models import ModelConfig, make_forward_context, make_stage
 from ppcompile.models.tensor_parallel import NO_TP, TensorParallel
+from ppcompile.pipeline.groups import (
+    DEFAULT_TIMEOUT_S,
+    ParallelGroups,
+    default_device,
+    init_parallel_groups,
+    init_pipeline_group,
+)
 from ppcompile.pipeline.inprocess import (
     STAGE_RECOMPILE_LIMIT,
     StageBinding,
@@ -49,6 +55,7 @@ from ppcompile.pipeline.inprocess import (
     run_traced,
     stage_layer_range,
 )
+from ppcompile.pipeline.wire import PackedLayout, ProxyField, ProxySpec
 from ppcompile.proxy import PPProxyTensors
 from ppcompile.torch_internals import raise_recompile_limit
 
@@ -56,6 +63,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "SEND_MODES",
     "DistributedStage",
+    "MicroBatch",
     "ParallelGroups",
     "ProxyField",
     "ProxySpec",
@@ -64,73 +72,33 @@ __all__ = [
     "init_pipeline_group",
 ]
 
-log = logging.getLogger(__name__)
-
-DEFAULT_TIMEOUT_S = 300.0
-"""Process-group timeout: a recv or send that waits longer than this raises instead of hanging."""
-
-SEND_MODES = ("wait", "copy", "ring")
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool)  # wire codes: index in this tuple
-
-
-# ------------------------------------------------------------------------------------------ wire format
-@dataclasses.dataclass(frozen=True)
-class ProxyField:
-    """One proxy on the wire: its name, dtype and the shape of one token's row."""
-
-    name: str
-    dtype: torch.dtype
-    row_shape: tuple[int, ...]
+SEND_MODES = ("ring", "copy", "wait")
 
 
 @dataclasses.dataclass(frozen=True)
-class ProxySpec:
-    """What one stage sends the next, per token; the token count comes from the batch."""
+class MicroBatch:
+    """One micro-batch as a rank sees it: its positions, every sequence's length, and (first rank only)
+    its token ids or embeddings."""
 
-    fields: tuple[ProxyField, ...]
+    positions: torch.Tensor
+    seq_lens: Sequence[int]
+    input_ids: torch.Tensor | None = None
+    inputs_embeds: torch.Tensor | None = None
 
-    @classmethod
-    def of(cls, proxies: Any, num_tokens: int, rank: int) -> ProxySpec:
-        """The spec of stage ``rank``'s output; checks that every proxy is token-major."""
-        if not isinstance(proxies, Mapping):
-            raise TypeError(f"stage {rank} returned {type(proxies).__name__}; a non-last stage must return "
-                            "a mapping of proxy tensors (PPProxyTensors or dict) for the next stage")
-        fields = []
-        for name, t in proxies.items():
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != num_tokens:
-                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"stage {rank}'s proxy {name!r}: expected a token-major tensor with "
-                                 f"{num_tokens} rows (sum(seq_lens)), got {got}")
-            if t.dtype not in _DTYPES:
-                raise TypeError(f"stage {rank}'s proxy {name!r} has dtype {t.dtype}; supported: {_DTYPES}")
-            fields.append(ProxyField(str(name), t.dtype, tuple(t.shape[1:])))
-        if not fields:
-            raise ValueError(f"stage {rank} returned no proxy tensors for the next stage")
-        return cls(tuple(fields))
-
-    def encode(self, device: torch.device) -> torch.Tensor:
-        """``[count, (name_len, *name_bytes, dtype_code, ndim, *row_shape) per field]`` as int64."""
-        words = [len(self.fields)]
-        for f in self.fields:
-            raw = f.name.encode()
-            words += [len(raw), *raw, _DTYPES.index(f.dtype), len(f.row_shape), *f.row_shape]
-        return torch.tensor(words, dtype=torch.int64, device=device)
-
-    @classmethod
-    def decode(cls, words: Sequence[int]) -> ProxySpec:
-        """The inverse of :meth:`encode`."""
-        it = iter(int(w) for w in words)
-        fields = []
-        for _ in range(next(it)):
-            name = bytes(next(it) for _ in range(next(it))).decode()
-            dtype = _DTYPES[next(it)]
-            row_shape = tuple(next(it) for _ in range(next(it)))
-            fields.append(ProxyField(name, dtype, row_shape))
-        return cls(tuple(fields))
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lens)
 
 
-# ------------------------------------------------------------------------------------------ the stage
+@dataclasses.dataclass
+class _Recv:
+    """A posted receive of one packed micro-batch."""
+
+    work: Any
+    buf: torch.Tensor
+    num_tokens: int
+
+
 class DistributedStage:
     """This process's stage of a pipeline over ``torch.distributed``: receive, run, send.
 
@@ -148,9 +116,10 @@ class DistributedStage:
         dynamic: ``torch.compile``'s ``dynamic``. By default the token dims of every call's inputs are
             marked dynamic instead (``mark_token_dynamic``): one symbolic graph from the first call,
             without ``dynamic=True``'s per-call float inputs.
-        send_mode: ``"wait"`` completes the previous batch's sends before the stage runs again;
-            ``"copy"`` sends owned copies (the stage may overwrite its outputs at once); ``"ring"`` keeps
-            ``output_slots - 1`` batches of sends in flight (``options["output_slots"]``, default 2).
+        send_mode: ``"ring"`` (default) packs into ``depth`` reused buffers; ``"copy"`` into a fresh
+            buffer per micro-batch; ``"wait"`` runs no forward while a send is in flight (module docstring).
+        depth: micro-batches in flight per rank (>= 1): sends not yet complete while the stage computes,
+            and, in :meth:`run`, receives posted ahead.
         tp: this rank's place in its stage's tensor-parallel group (:func:`init_parallel_groups`); the
             stage is ``make_stage(cfg, rank, world_size, tp=tp)`` and its options' ``tp_group`` defaults
             to ``tp.group``. ``group`` must then be this rank's PP group.
@@ -166,19 +135,18 @@ class DistributedStage:
         device: torch.device | str | None = None,
         stage: nn.Module | None = None,
         dynamic: bool | None = None,
-        send_mode: str = "wait",
+        send_mode: str = "ring",
+        depth: int = 1,
         tp: TensorParallel = NO_TP,
     ) -> None:
         if send_mode not in SEND_MODES:
             raise ValueError(f"DistributedStage: send_mode must be one of {SEND_MODES}, got {send_mode!r}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"DistributedStage: depth must be an int >= 1 (micro-batches in flight), "
+                             f"got {depth!r}")
         options = dict(options or {})
         if tp.size > 1:
             options.setdefault("tp_group", tp.group)
-        if send_mode == "ring":
-            options.setdefault("output_slots", 2)
-            if not isinstance(options["output_slots"], int) or options["output_slots"] < 2:
-                raise ValueError("DistributedStage: send_mode='ring' needs options['output_slots'] >= 2 "
-                                 f"(outputs valid for that many forwards), got {options['output_slots']!r}")
         if not dist.is_initialized():
             raise RuntimeError("DistributedStage: torch.distributed is not initialised; call "
                                "init_pipeline_group() (or run under torchrun / spawn_ranks) first")
@@ -190,9 +158,11 @@ class DistributedStage:
         self.is_last = self.rank == self.world_size - 1
         self.device = torch.device(device) if device is not None else default_device(group)
         self.send_mode = send_mode
+        self.depth = depth
         self.tp = tp
-        # Batches whose sends may still be in flight when the stage runs again.
-        self.in_flight = int(options["output_slots"]) - 1 if send_mode == "ring" else 0
+        # Micro-batches whose sends may still be in flight when the next one is packed: with more than
+        # depth - 1 a reused send buffer would be overwritten while a send reads it.
+        self.in_flight = depth - 1
         self.stage = stage if stage is not None else make_stage(cfg, self.rank, self.world_size, self.device,
                                                                  tp=tp)
         self.layers = stage_layer_range(cfg, self.stage, self.rank, self.world_size)
@@ -205,12 +175,17 @@ class DistributedStage:
                 self.stage, backend="pp_breakable", dynamic=dynamic, options=options
             )
         self.trace: StageTrace | None = None
-        self._send_spec: ProxySpec | None = None
-        self._recv_spec: ProxySpec | None = None
-        # Sends in flight, one list per batch (oldest first), with the tensors they read.
+        self.send_layout: PackedLayout | None = None
+        self.recv_layout: PackedLayout | None = None
+        # Sends in flight, one list per micro-batch (oldest first), with the tensors they read.
         self._pending: collections.deque[list[tuple[dist.Work, torch.Tensor]]] = collections.deque()
-        self.max_batches_in_flight = 0  # the most batches whose sends were in flight as the stage ran
+        self._buffers: list[torch.Tensor | None] = [None] * depth  # "ring": packed send buffers
+        self._sent = 0  # micro-batches sent
+        self._recvs: collections.deque[_Recv] = collections.deque()  # receives posted ahead, oldest first
+        self.max_batches_in_flight = 0  # the most micro-batches whose sends were in flight as the stage ran
+        self.p2p_calls: collections.Counter[str] = collections.Counter()  # "send", "recv"; "spec": once
 
+    # ---------------------------------------------------------------------------------- one micro-batch
     def forward(
         self,
         positions: torch.Tensor,
@@ -219,36 +194,60 @@ class DistributedStage:
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """One batch through this rank: receive (non-first), run, send (non-last).
+        """One micro-batch through this rank: receive (non-first), run, send (non-last).
 
         Every rank is called with the same ``seq_lens`` and its ``positions``; ``input_ids`` and
         ``inputs_embeds`` are used by the first rank only. Returns the logits on the last rank (valid until
         its next forward, like any compiled-stage output: clone to keep) and None on the others.
         """
-        num_tokens = sum(seq_lens)
-        if positions.shape[0] != num_tokens:
-            raise ValueError(f"DistributedStage rank {self.rank}: seq_lens {list(seq_lens)} sum to "
-                             f"{num_tokens}, positions has {positions.shape[0]} tokens")
-        proxies = None if self.is_first else self.recv_proxies(num_tokens)
-        if self.send_mode != "copy":
-            # The stage may overwrite the outputs of all but the last ``in_flight`` forwards.
-            self.wait_sends(keep=self.in_flight)
+        return self.step(MicroBatch(positions, seq_lens, input_ids, inputs_embeds))
+
+    __call__ = forward
+
+    def step(self, batch: MicroBatch) -> torch.Tensor | None:
+        """:meth:`forward` of a :class:`MicroBatch` (its receive is the oldest posted ahead, if any)."""
+        n = batch.num_tokens
+        if batch.positions.shape[0] != n:
+            raise ValueError(f"DistributedStage rank {self.rank}: seq_lens {list(batch.seq_lens)} sum to "
+                             f"{n}, positions has {batch.positions.shape[0]} tokens")
+        proxies = None if self.is_first else self._received(n)
+        if self.send_mode == "wait":
+            self.wait_sends()
         self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._pending))
         out = self.run_local(
-            positions, seq_lens,
-            input_ids=input_ids if self.is_first else None,
+            batch.positions, batch.seq_lens,
+            input_ids=batch.input_ids if self.is_first else None,
             pp_proxy_tensors=proxies,
-            inputs_embeds=inputs_embeds if self.is_first else None,
+            inputs_embeds=batch.inputs_embeds if self.is_first else None,
         )
         if self.is_last:
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"the last stage (rank {self.rank}) returned {type(out).__name__}, "
                                 "expected a logits tensor")
             return out
-        self.send_proxies(out, num_tokens)
+        self.send_proxies(out, n)
         return None
 
-    __call__ = forward
+    def run(self, batches: Iterable[MicroBatch]) -> Iterator[torch.Tensor | None]:
+        """Runs ``batches`` in order at this rank's ``depth``, yielding what :meth:`step` returns for each
+        (the last rank's logits are valid until the next one is computed). Receives are posted
+        ``depth - 1`` micro-batches ahead; the sends of the last micro-batches are waited at the end."""
+        ahead: collections.deque[MicroBatch] = collections.deque()
+        source = iter(batches)
+
+        def post_ahead() -> None:
+            while len(ahead) < self.depth and (batch := next(source, None)) is not None:
+                if not self.is_first:
+                    self.post_recv(batch.num_tokens)
+                ahead.append(batch)
+
+        post_ahead()
+        while ahead:
+            batch = ahead.popleft()
+            out = self.step(batch)
+            yield out
+            post_ahead()
+        self.wait_sends()
 
     def run_local(
         self,
@@ -260,7 +259,7 @@ class DistributedStage:
         inputs_embeds: torch.Tensor | None = None,
     ) -> Any:
         """Runs this rank's stage once on local inputs, no communication (``forward`` uses it; so can a
-        warm-up that compiles and captures every rank at once before the first batch)."""
+        warm-up that compiles and captures every rank at once before the first micro-batch)."""
         kwargs = self.binding.kwargs(self.rank, positions, input_ids=input_ids,
                                      pp_proxy_tensors=pp_proxy_tensors, inputs_embeds=inputs_embeds)
         ctx = make_forward_context(seq_lens, self.cfg, self.layers, device=self.device, tp_size=self.tp.size)
@@ -269,44 +268,44 @@ class DistributedStage:
 
     # ---------------------------------------------------------------------------------- transport
     def send_proxies(self, proxies: Any, num_tokens: int) -> None:
-        """Starts asynchronous sends of ``proxies`` to the next rank (the spec first, once)."""
+        """Packs ``proxies`` and starts one asynchronous send to the next rank (the spec first, once)."""
         spec = ProxySpec.of(proxies, num_tokens, self.rank)
-        self.wait_sends(keep=self.in_flight)  # "copy": one batch in flight; "wait": done already
-        self._pending.append([])  # this batch's sends (the spec's too, with the first)
-        if self._send_spec is None:
+        self.wait_sends(keep=self.in_flight)  # the send that last read this micro-batch's buffer is done
+        self._pending.append([])  # this micro-batch's sends (the spec's too, with the first)
+        if self.send_layout is None:
             header = spec.encode(self.device)
-            self._isend(torch.tensor([header.numel()], dtype=torch.int64, device=self.device))
-            self._isend(header)
-            self._send_spec = spec
-        elif spec != self._send_spec:
-            raise ValueError(f"stage {self.rank}'s proxies changed from {self._send_spec} to {spec}; the "
-                             "names, dtypes and row shapes of a stage's proxies must stay fixed")
-        for f in spec.fields:
-            t = proxies[f.name]
-            self._isend(t.clone(memory_format=torch.contiguous_format) if self.send_mode == "copy"
-                        else t.contiguous())
+            self._isend(torch.tensor([header.numel()], dtype=torch.int64, device=self.device), "spec")
+            self._isend(header, "spec")
+            self.send_layout = PackedLayout(spec)
+        elif spec != self.send_layout.spec:
+            raise ValueError(f"stage {self.rank}'s proxies changed from {self.send_layout.spec} to {spec}; "
+                             "the names, dtypes and row shapes of a stage's proxies must stay fixed")
+        buf = self._send_buffer(self.send_layout.nbytes(num_tokens))
+        self._isend(self.send_layout.pack(proxies, buf, num_tokens), "send")
+        self._sent += 1
 
-    def recv_proxies(self, num_tokens: int) -> PPProxyTensors:
-        """Receives the previous rank's proxies for a batch of ``num_tokens`` tokens (fresh tensors)."""
-        if self._recv_spec is None:
+    def post_recv(self, num_tokens: int) -> None:
+        """Posts the receive of the next micro-batch of ``num_tokens`` tokens (the spec first, once,
+        blocking); :meth:`step` waits for the oldest one posted."""
+        if self.recv_layout is None:
             size = torch.empty(1, dtype=torch.int64, device=self.device)
             self._recv(size)
             words = torch.empty(int(size.item()), dtype=torch.int64, device=self.device)
             self._recv(words)
-            self._recv_spec = ProxySpec.decode(words.tolist())
-        tensors = {
-            f.name: torch.empty((num_tokens, *f.row_shape), dtype=f.dtype, device=self.device)
-            for f in self._recv_spec.fields
-        }
-        works = [dist.irecv(t, group=self.group, group_src=self.rank - 1) for t in tensors.values()]
-        for work in works:
-            if work is not None:
-                work.wait()
-        return PPProxyTensors(tensors)
+            self.recv_layout = PackedLayout(ProxySpec.decode(words.tolist()))
+        buf = torch.empty(self.recv_layout.nbytes(num_tokens), dtype=torch.uint8, device=self.device)
+        work = dist.irecv(buf, group=self.group, group_src=self.rank - 1)
+        self.p2p_calls["recv"] += 1
+        self._recvs.append(_Recv(work, buf, num_tokens))
+
+    def recv_proxies(self, num_tokens: int) -> PPProxyTensors:
+        """Receives the previous rank's proxies for ``num_tokens`` tokens (views of one fresh buffer)."""
+        self.post_recv(num_tokens)
+        return self._received(num_tokens)
 
     def wait_sends(self, keep: int = 0) -> None:
-        """Waits for the sends of all but the last ``keep`` batches (default: every send this rank
-        started); their tensors may then change. With NCCL a wait orders the current stream after the
+        """Waits for the sends of all but the last ``keep`` micro-batches (default: every send this rank
+        started); their buffers may then change. With NCCL a wait orders the current stream after the
         send; with gloo it blocks until the send completed."""
         while len(self._pending) > keep:
             for work, _ in self._pending.popleft():
@@ -314,13 +313,42 @@ class DistributedStage:
 
     flush = wait_sends
 
-    def _isend(self, t: torch.Tensor) -> None:
+    def _received(self, num_tokens: int) -> PPProxyTensors:
+        if not self._recvs:
+            self.post_recv(num_tokens)
+        recv = self._recvs.popleft()
+        if recv.num_tokens != num_tokens:
+            raise ValueError(f"DistributedStage rank {self.rank}: the receive posted ahead was for "
+                             f"{recv.num_tokens} tokens, this micro-batch has {num_tokens}")
+        if recv.work is not None:
+            recv.work.wait()
+        assert self.recv_layout is not None
+        return PPProxyTensors(self.recv_layout.views(recv.buf, num_tokens))
+
+    def _send_buffer(self, nbytes: int) -> torch.Tensor:
+        """The buffer this micro-batch is packed into: fresh (``"copy"``) or its ring slot (grown as
+        needed)."""
+        if self.send_mode == "copy":
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        slot = self._sent % self.depth
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf
+
+    def send_buffer_bytes(self) -> int:
+        """Bytes held by the ring of send buffers (``"ring"`` and ``"wait"``; 0 before the first send)."""
+        return sum(b.numel() for b in self._buffers if b is not None)
+
+    def _isend(self, t: torch.Tensor, kind: str) -> None:
         work = dist.isend(t, group=self.group, group_dst=self.rank + 1)
+        self.p2p_calls[kind] += 1
         if work is not None:
             self._pending[-1].append((work, t))  # keeps t alive while the send reads it
 
     def _recv(self, t: torch.Tensor) -> None:
         dist.recv(t, group=self.group, group_src=self.rank - 1)
+        self.p2p_calls["spec"] += 1
 
     def __enter__(self) -> DistributedStage:
         return self
@@ -328,70 +356,3 @@ class DistributedStage:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
             self.wait_sends()
-
-
-# ------------------------------------------------------------------------------------------ process groups
-@dataclasses.dataclass(frozen=True)
-class ParallelGroups:
-    """This process's place in a TP x PP job (global rank ``pp_rank * tp.size + tp.rank``)."""
-
-    tp: TensorParallel  # its stage's TP group (NO_TP with one rank per stage)
-    pp_group: dist.ProcessGroup | None  # the ranks with its tp rank, one per stage (None: the default group)
-    pp_rank: int
-    pp_size: int
-
-
-def init_parallel_groups(tp_size: int) -> ParallelGroups:
-    """Splits the default group's ranks into ``world / tp_size`` stages of ``tp_size`` consecutive ranks
-    (TP inside a stage, as on one node) and creates the TP and PP groups. Every rank must call it, in the
-    same order relative to other ``new_group`` calls."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1 or world % tp_size:
-        raise ValueError(f"init_parallel_groups: tp_size must be a positive divisor of the world size "
-                         f"({world}), got {tp_size!r}")
-    pp_size = world // tp_size
-    pp_rank, tp_rank = divmod(rank, tp_size)
-    if tp_size == 1:
-        return ParallelGroups(NO_TP, None, pp_rank, pp_size)
-    tp_groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
-    pp_groups = [dist.new_group(list(range(t, world, tp_size))) for t in range(tp_size)]
-    return ParallelGroups(TensorParallel(tp_rank, tp_size, tp_groups[pp_rank]), pp_groups[tp_rank],
-                          pp_rank, pp_size)
-
-
-def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """``cuda:<rank % device count>`` for an NCCL group (one node, one GPU per rank), else CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def init_pipeline_group(
-    *,
-    backend: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    store: dist.Store | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-) -> str:
-    """Initialises the default process group for a pipeline; returns its backend.
-
-    Without ``store`` the rendezvous comes from torchrun's environment (``env://``: ``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, read by torch). ``backend`` defaults to NCCL when
-    CUDA is available, else gloo. Every send and recv that waits longer than ``timeout_s`` raises.
-    """
-    if dist.is_initialized():
-        raise RuntimeError("init_pipeline_group: torch.distributed is already initialised")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=store, rank=-1 if rank is None else rank,
-                                world_size=-1 if world_size is None else world_size, timeout=timeout)
-    if backend == "nccl":
-        torch.cuda.set_device(default_device())
-    log.info("rank %d of %d: %s process group up (timeout %g s)", dist.get_rank(), dist.get_world_size(),
-             backend, timeout_s)
-    return backend

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppcompile.pipeline.distributed import DEFAULT_TIMEOUT_S, init_pipeline_group
+from ppcompile.pipeline.groups import DEFAULT_TIMEOUT_S, init_pipeline_group
 
 __all__ = ["RankError", "spawn_ranks"]
 

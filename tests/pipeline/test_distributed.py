@@ -22,12 +22,11 @@ from ppcompile.models import REFERENCE_CONFIGS, ModelConfig, make_batch, make_st
 from ppcompile.pipeline import (
     DistributedStage,
     InProcessPipeline,
-    ProxySpec,
+    MicroBatch,
     RankError,
     init_parallel_groups,
     spawn_ranks,
 )
-from ppcompile.pipeline.distributed import ProxyField
 
 CFG = REFERENCE_CONFIGS["tiny"]  # 4 layers, hidden 64: hidden_states + residual proxies
 TOPK_CFG = REFERENCE_CONFIGS["topk"].replace(num_layers=4)  # adds an int32 topk_indices proxy
@@ -59,7 +58,8 @@ def _reference(cfg: ModelConfig, world: int, stream: list[list[int]]) -> list[to
 
 
 def _pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """Runs ``job["stream"]`` through this rank; returns its paths and (last rank) cloned logits."""
+    """Runs ``job["stream"]`` through this rank (``DistributedStage.run`` at ``job["depth"]``); returns
+    its paths, what it sent and (last rank) cloned logits."""
     torch._dynamo.reset()
     ppcompile.counters.reset()
     cfg: ModelConfig = job["cfg"]
@@ -67,23 +67,27 @@ def _pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
     if job.get("embeds") and rank == 0:
         stage_module = EmbedsFirstStage(make_stage(cfg, 0, world))
     options = {"graph_mode": "emulate", **job["options"][rank]}  # the graph path ("auto": live on CPU)
-    stage = DistributedStage(cfg, options=options, stage=stage_module, send_mode=job.get("send_mode", "wait"))
+    stage = DistributedStage(cfg, options=options, stage=stage_module, send_mode=job.get("send_mode", "ring"),
+                             depth=job.get("depth", 1))
     stage.in_flight = job.get("in_flight", stage.in_flight)  # a test may break the send-safety rule
-    paths, logits = [], []
-    with torch.inference_mode():
+
+    def micro_batches() -> Any:
         for i, lens in enumerate(job["stream"]):
-            if rank == job.get("slow_rank"):
-                time.sleep(SLOW_S)
             ids, pos, _ = make_batch(cfg, lens, 0, world, seed=i)
             embeds = stage_module.inner.embed_tokens(ids) if stage_module is not None else None
-            out = stage(pos, lens, input_ids=ids, inputs_embeds=embeds)
+            yield MicroBatch(pos, lens, input_ids=ids, inputs_embeds=embeds)
+
+    paths, logits = [], []
+    with torch.inference_mode():
+        for out in stage.run(micro_batches()):
             assert stage.trace is not None
             paths.append(stage.trace.path)
             if out is not None:
                 logits.append(out.clone())
-    stage.wait_sends()
+            if rank == job.get("slow_rank"):
+                time.sleep(SLOW_S)
     return {"paths": paths, "logits": logits, "compiles": ppcompile.counters.backend_compiles,
-            "in_flight": stage.max_batches_in_flight}
+            "in_flight": stage.max_batches_in_flight, "p2p": dict(stage.p2p_calls)}
 
 
 def _failing_worker(rank: int, world: int, fail_rank: int, fail_step: int) -> None:
@@ -112,7 +116,8 @@ def _check_logits(got: list[torch.Tensor], want: list[torch.Tensor], stream: lis
 
 
 def test_four_ranks_mixed_paths_and_slow_receiver_match_eager() -> None:
-    """Ranks with different buckets (some replay while others fall back), int32 proxies, a slow rank."""
+    """Ranks with different buckets (some replay while others fall back), int32 proxies, a slow rank,
+    send_mode='wait' (no forward while a send is in flight)."""
     stream = _stream(seed=4, count=5)
     options = [
         {"capture_sizes": [4, 8, 16, 32, 64]},
@@ -120,7 +125,7 @@ def test_four_ranks_mixed_paths_and_slow_receiver_match_eager() -> None:
         {"max_capture_tokens": 24},
         {"capture_sizes": [64]},
     ]
-    job = {"cfg": TOPK_CFG, "stream": stream, "options": options, "slow_rank": 2}
+    job = {"cfg": TOPK_CFG, "stream": stream, "options": options, "slow_rank": 2, "send_mode": "wait"}
     results = spawn_ranks(_pipeline_worker, 4, args=(job,), threads=1, timeout_s=120)
     _check_logits(results[-1]["logits"], _reference(TOPK_CFG, 4, stream), stream)
     paths = [r["paths"] for r in results]
@@ -132,6 +137,7 @@ def test_four_ranks_mixed_paths_and_slow_receiver_match_eager() -> None:
     assert steps[6] == ("graph", "eager", "eager", "graph")  # 40 tokens: buckets 64 | - | - | 64
     # received proxies are standalone tensors: no recompile beyond the first call and the 1-token graph
     assert all(r["compiles"] <= 2 for r in results), [r["compiles"] for r in results]
+    assert all(r["in_flight"] == 0 for r in results), [r["in_flight"] for r in results]
 
 
 def test_two_ranks_embeds_stage_copy_mode_match_eager() -> None:
@@ -139,7 +145,7 @@ def test_two_ranks_embeds_stage_copy_mode_match_eager() -> None:
     stream = _stream(seed=2, count=2)
     options = [{"capture_sizes": [8, 16, 32]}, {"capture_sizes": [16, 32, 64]}]
     job = {"cfg": CFG, "stream": stream, "options": options, "slow_rank": 1, "embeds": True,
-           "send_mode": "copy"}
+           "send_mode": "copy", "depth": 2}
     results = spawn_ranks(_pipeline_worker, 2, args=(job,), threads=1, timeout_s=120)
     _check_logits(results[-1]["logits"], _reference(CFG, 2, stream), stream)
     assert results[0]["logits"] == []
@@ -147,21 +153,25 @@ def test_two_ranks_embeds_stage_copy_mode_match_eager() -> None:
 
 
 def test_ring_mode_keeps_a_batch_on_the_wire_while_the_next_runs_and_matches_eager() -> None:
-    """send_mode='ring' (output_slots 2): a sender runs batch i + 1 while batch i's sends wait for a slow
-    receiver, without copies, and the logits equal eager's."""
+    """send_mode='ring' at depth 1: a sender runs micro-batch i + 1 while i's packed send waits for a slow
+    receiver, and the logits equal eager's; each micro-batch is one message."""
     stream = _stream(seed=3, count=4)
     options = [{"capture_sizes": [8, 16, 32, 64]}, {"capture_sizes": [8, 16, 32, 64]},
                {"capture_sizes": [16, 64]}]
-    job = {"cfg": CFG, "stream": stream, "options": options, "slow_rank": 2, "send_mode": "ring"}
+    job = {"cfg": CFG, "stream": stream, "options": options, "slow_rank": 2}
     results = spawn_ranks(_pipeline_worker, 3, args=(job,), threads=1, timeout_s=120)
     _check_logits(results[-1]["logits"], _reference(CFG, 3, stream), stream)
     assert all("graph" in r["paths"] for r in results)
-    assert [r["in_flight"] for r in results[:2]] == [1, 1]  # a batch on the wire as the next one ran
+    assert [r["in_flight"] for r in results[:2]] == [1, 1]  # a micro-batch on the wire as the next one ran
+    for r in results[:2]:  # one send per micro-batch (hidden_states + residual packed), the spec once
+        assert r["p2p"]["send"] == len(stream), r["p2p"]
+    for r in results[1:]:
+        assert r["p2p"]["recv"] == len(stream), r["p2p"]
 
 
-def test_a_batch_on_the_wire_without_the_ring_gives_wrong_logits() -> None:
-    """The ring has teeth: the same schedule with one output slot (views the next forward overwrites)
-    corrupts batches a slow receiver reads late."""
+def test_reusing_a_send_buffer_before_its_send_completed_gives_wrong_logits() -> None:
+    """The ring has teeth: with one send buffer and two micro-batches allowed in flight, a sender packs
+    micro-batch i + 1 over i while a slow receiver has not read i yet."""
     stream = _stream(seed=3, count=4)
     options = [{"capture_sizes": [8, 16, 32, 64]}, {"capture_sizes": [8, 16, 32, 64]},
                {"capture_sizes": [16, 64]}]
@@ -170,12 +180,29 @@ def test_a_batch_on_the_wire_without_the_ring_gives_wrong_logits() -> None:
     want = _reference(CFG, 3, stream)
     wrong = [i for i, (g, w) in enumerate(zip(results[-1]["logits"], want))
              if not torch.allclose(g, w, atol=1e-5)]
-    assert wrong, "a batch sent from graph memory the next forward overwrote must arrive corrupted"
+    assert wrong, "a send buffer packed again while its send was in flight must corrupt a micro-batch"
 
 
-def test_ring_mode_needs_two_output_slots() -> None:
-    with pytest.raises(ValueError, match=r"output_slots'\] >= 2"):
-        DistributedStage(CFG, options={"output_slots": 1}, send_mode="ring")
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_pp4_at_depth_matches_eager_on_a_random_stream(depth: int) -> None:
+    """PP4 over gloo with ``depth`` micro-batches in flight per rank (receives posted ahead, packed sends
+    outstanding) and a slow last rank: logits equal the in-process eager reference."""
+    stream = _stream(seed=10 + depth, count=8)
+    options = [{"capture_sizes": [8, 16, 32, 64]}] * 4
+    job = {"cfg": TOPK_CFG, "stream": stream, "options": options, "slow_rank": 3, "depth": depth}
+    results = spawn_ranks(_pipeline_worker, 4, args=(job,), threads=1, timeout_s=180)
+    _check_logits(results[-1]["logits"], _reference(TOPK_CFG, 4, stream), stream)
+    for r in results[:3]:
+        assert r["p2p"]["send"] == len(stream), r["p2p"]  # hidden_states, residual, topk_indices: 1 message
+        assert 1 <= r["in_flight"] <= depth, r["in_flight"]
+    assert results[2]["in_flight"] == depth  # the slow receiver's sender fills its ring
+
+
+def test_send_modes_and_depth_are_checked() -> None:
+    with pytest.raises(ValueError, match="send_mode must be one of"):
+        DistributedStage(CFG, send_mode="fast")
+    with pytest.raises(ValueError, match="depth must be an int >= 1"):
+        DistributedStage(CFG, depth=0)
 
 
 def test_failing_rank_fails_the_run_with_its_error() -> None:
@@ -196,31 +223,18 @@ def test_process_group_timeout_turns_a_stalled_peer_into_an_error() -> None:
 
 
 def test_demo_distributed_spawns_ranks(capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m ppcompile demo --pp 2 --distributed`` (in this process; the ranks are spawned)."""
-    argv = ["demo", "--distributed", "--config", "tiny", "--pp", "2", "--capture-sizes", "4,8,16",
-            "--tokens", "1,8,9,3+5+7,20"]
+    """``python -m ppcompile demo --pp 2 --depth 2 --distributed`` (in this process; the ranks are
+    spawned)."""
+    argv = ["demo", "--distributed", "--config", "tiny", "--pp", "2", "--depth", "2", "--capture-sizes",
+            "4,8,16", "--tokens", "1,8,9,3+5+7,20"]
     assert ppcompile_cli(argv) == 0
     out = capsys.readouterr().out
-    assert "over torch.distributed (gloo, 2 processes)" in out, out
+    assert "PP2, 2 micro-batches in flight per rank over torch.distributed (gloo, 2 processes)" in out, out
     assert "'graph_mode': 'emulate'" in out, out  # the demo's graph path on CPU ("auto" would be live-size)
     assert "graph x2" in out and "eager x2" in out, out
     assert "OK: 0 of 5" in out, out
     # warm-up compiles every rank before the stream; then only the 1-token batch gets a graph of its own
     assert out.count("Dynamo compile") == 1, out
-
-
-def test_proxy_spec_round_trip_and_checks() -> None:
-    proxies = {"hidden_states": torch.zeros(5, 8), "topk_indices": torch.zeros(5, 2, dtype=torch.int32),
-               "bank": torch.zeros(5, 3, 4, dtype=torch.bfloat16)}
-    spec = ProxySpec.of(proxies, 5, rank=0)
-    assert spec.fields[1] == ProxyField("topk_indices", torch.int32, (2,))
-    assert ProxySpec.decode(spec.encode(torch.device("cpu")).tolist()) == spec
-    with pytest.raises(ValueError, match=r"'hidden_states'.*5 rows.*shape \(4, 8\)"):
-        ProxySpec.of({"hidden_states": torch.zeros(4, 8)}, 5, rank=1)
-    with pytest.raises(TypeError, match="stage 2 returned Tensor"):
-        ProxySpec.of(torch.zeros(5, 8), 5, rank=2)
-    with pytest.raises(ValueError, match="no proxy tensors"):
-        ProxySpec.of({}, 5, rank=0)
 
 
 def test_stage_needs_a_process_group() -> None:
@@ -281,5 +295,6 @@ def test_demo_distributed_tp_pp_spawns_four_ranks(capsys: pytest.CaptureFixture[
             "4,8,16", "--tokens", "1,8,9,3+5+7,20"]
     assert ppcompile_cli(argv) == 0
     out = capsys.readouterr().out
-    assert "PP2 x TP2 over torch.distributed (gloo, 4 processes)" in out, out
+    assert "PP2 x TP2, 1 micro-batch in flight per rank over torch.distributed (gloo, 4 processes)" in out, \
+        out
     assert "OK: 0 of 5" in out, out
