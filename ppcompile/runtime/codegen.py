@@ -310,9 +310,9 @@ def graph_forward_source(
     ring = program.output_ring
     if ring is not None:
         body.append("ring_buffers = ring.claim()")  # waits for the sends still reading this slot
-    for j, s in enumerate(() if ring is None else ring.slots):  # ring_buffers[j] holds slot s
-        names[f"dims_{s}"] = dims_of(s)
-        body.append(f"v{s} = copy_out(ring_buffers[{j}], v{s}, dims_{s}, env_n)")
+        for j, s in enumerate(ring.slots):  # ring_buffers[j] holds slot s
+            names[f"ring_layout_{j}"] = ring.layouts[j]
+            body.append(f"v{s} = copy_out(ring_buffers[{j}], v{s}, ring_layout_{j}, env_n)")
     outputs = _outputs(program, live, names)
     header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers, ring):"
     source = _function(header,

@@ -29,6 +29,7 @@ from ppcompile.runtime.group_agreement import LOCAL, Agreement, GroupCaptureErro
 from ppcompile.runtime.observer import CaptureMeter, CaptureObserver, CaptureRecord, CaptureStart
 from ppcompile.runtime.program import GraphStep
 from ppcompile.runtime.stale_outputs import OutputTracker
+from ppcompile.runtime.static_buffers import extent
 
 __all__ = ["StageInstance"]
 
@@ -117,18 +118,19 @@ class StageInstance:
         return copiers
 
     def _ring(self, env_max: dict[sympy.Symbol, int]) -> RingSlots | None:
-        """The output ring's buffers (``Program.output_ring``): per slot, one buffer per copied output at
-        the largest bucket, in the caller's inference mode like the static buffers."""
+        """The output ring's buffers (``Program.output_ring``): per slot, flat memory for each copied
+        output at the largest bucket, which each call views with the output's live shape and eager's
+        strides (``static_buffers.copy_out``); in the caller's inference mode like the static buffers."""
         ring = self._compiled.program.output_ring
         if ring is None:
             return None
-        shapes = []
+        sizes = []
         for layout in ring.layouts:
             at = layout.at(env_max)
             assert at is not None, "an output's size names a symbol the call does not bind"
-            shapes.append((at[0], layout.dtype, layout.device))
-        return RingSlots([tuple(torch.zeros(shape, dtype=dtype, device=device)
-                                for shape, dtype, device in shapes) for _ in range(ring.depth)])
+            sizes.append((extent(*at), layout.dtype, layout.device))
+        return RingSlots([tuple(torch.zeros(size, dtype=dtype, device=device)
+                                for size, dtype, device in sizes) for _ in range(ring.depth)])
 
     def instrumented(self, wrap: Wrap) -> GraphPath:
         """This instance's graph path with its parts wrapped by ``wrap`` (kept for later calls with it)."""

@@ -179,11 +179,21 @@ def narrow_to(t: torch.Tensor, dims: TokenDims, env: Env) -> torch.Tensor:
     return t
 
 
-def copy_out(buf: torch.Tensor, src: torch.Tensor, dims: TokenDims, env_live: Env) -> torch.Tensor:
-    """Copies live ``src`` into ``buf``'s first rows (an output's ring slot); returns that view of ``buf``."""
-    view = narrow_to(buf, dims, env_live)
+def copy_out(buf: torch.Tensor, src: torch.Tensor, layout: TensorLayout, env_live: Env) -> torch.Tensor:
+    """Copies live ``src`` into ``buf`` (an output's ring slot: flat memory for its largest size) viewed
+    with ``layout``'s live shape and strides, eager's; returns that view."""
+    at = layout.at(env_live)
+    assert at is not None, "a ring output's layout names a symbol the call does not bind"
+    view = buf.as_strided(*at)
     view.copy_(src)
     return view
+
+
+def extent(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """Elements a tensor of ``shape`` and ``strides`` spans from its first element (0 when empty)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
 def copy_rows(buf: torch.Tensor, src: torch.Tensor, dim: int, n: int, b: int) -> None:

@@ -179,3 +179,38 @@ def test_an_input_a_graph_writes_and_the_stage_returns_stays_right_with_a_ring()
     (runtime,) = [rt for rt in ppcompile.runtimes_of(m) if rt.token_symbol is not None]
     ring = runtime.program.output_ring
     assert ring is not None and len(ring.slots) == 1 and runtime.program.written_inputs
+
+
+class FeatureMajorOutput(torch.nn.Module):
+    """graph | break | graph whose second output is feature-major, ``[H, T]`` contiguous (token dim 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = MixerStage(RING_MIXER, H)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, summed = self.inner(x, r)
+        return out, (summed * 3).t().contiguous()
+
+
+def test_a_feature_major_output_keeps_eager_strides_in_the_ring() -> None:
+    """A ring slot is flat memory viewed with the output's live shape and eager's strides, so an output
+    whose token dim is not dim 0 is contiguous at every count, not strided for the cap."""
+    m = FeatureMajorOutput()
+    c = torch.compile(m, backend="pp_breakable", options={
+        "graph_mode": "emulate", "capture_sizes": [4, 8, CAP], "output_slots": 2})
+    pending: list[tuple[Any, Any]] = []
+    with torch.no_grad(), ppcompile.counters.expect(replays=5, eager_runs=1):
+        for i, n in enumerate([3, 8, 9, 16, 17, 5]):
+            g = torch.Generator().manual_seed(i)
+            x, r = torch.randn(n, H, generator=g), torch.randn(n, H, generator=g)
+            ppcompile.mark_token_dynamic(x, r)
+            got, want = c(x, r), m(x, r)
+            assert got[1].shape == (H, n) and got[1].stride() == want[1].stride() == (n, 1)
+            pending.append((got, want))
+            if len(pending) > 1:
+                for g_, w_ in zip(*pending.pop(0)):
+                    torch.testing.assert_close(g_, w_, atol=1e-5, rtol=1e-5)
+    (runtime,) = [rt for rt in ppcompile.runtimes_of(m) if rt.token_symbol is not None]
+    ring = runtime.program.output_ring
+    assert ring is not None and len(ring.slots) == 2
