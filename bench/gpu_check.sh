@@ -11,6 +11,8 @@
 #   fold_segments       where folding a tiny graph segment into its breaks stops paying
 #   launches            launches outside graph replays per forward (torch vs fused copies)
 #   fused_copy          the fused copy kernel's host time against per-tensor torch ops
+#   pp_streams          two PP stages on one device, the hand-over on a second stream: wall per
+#                       micro-batch with the output ring and event fences vs waiting, host syncs counted
 # Each step runs under its own time limit (PLAN below, the one place limits live; TERM 5 s before the
 # limit, KILL at it) and writes its log (and JSON/figures) before the next starts, with one line in
 # summary.txt, so a run cut off anywhere still leaves what it measured. A failing step does not stop the
@@ -35,14 +37,16 @@ BUDGET_S=480
 # Steps in the order they run, name=limit in seconds (each limit includes the step's torch start-up).
 # preflight and pytest_gpu each hold a one-rank NCCL group (init, warm-up, captures): +10 s and +15 s,
 # taken from throughput_profile and lazy_capture.
-PLAN=(preflight=40 pytest_gpu=145 throughput_profile=90 overhead=30 lazy_capture=35 fold_segments=25
-      launches=20 fused_copy=20)
+# pp_streams (+25 s) took 5 s each from overhead, fold_segments, launches and fused_copy, and the last 5 s
+# of slack.
+PLAN=(preflight=40 pytest_gpu=145 throughput_profile=90 overhead=25 lazy_capture=35 fold_segments=20
+      launches=15 fused_copy=15 pp_streams=25)
 # Outside the steps, each under its own timeout: pip install -e ., the torch/CUDA probe, the render of
 # benchmarks.md, and the shell itself (nvidia-smi, copies).
 OVERHEAD=(pip=20 probe=20 render=25 shell=5)
 # The dry run (CPU, tiny sizes; a slow 2-core box takes about 3 minutes): limits only stop a hang.
 DRY_PLAN=(preflight=60 pytest_gpu=120 throughput_profile=90 overhead=60 lazy_capture=120 fold_segments=60
-          launches=60 fused_copy=40)
+          launches=60 fused_copy=40 pp_streams=60)
 # The test files with GPU tests (`pytest.mark.gpu`), correctness first; run with `-m gpu`.
 # tests/bench/test_gpu_check_plan.py checks this list against the files that have the mark.
 GPU_TESTS=(
@@ -55,7 +59,7 @@ GPU_TESTS=(
   tests/debug/test_debug_report.py
 )
 # Steps whose log is also kept as NAME.txt (docs/benchmarks.md names these files).
-TXT_STEPS=" lazy_capture fold_segments launches fused_copy "
+TXT_STEPS=" lazy_capture fold_segments launches fused_copy pp_streams "
 
 usage() { echo "usage: bash bench/gpu_check.sh [--dry-run] [--print-plan]" >&2; exit 2; }
 dry=0
@@ -115,6 +119,7 @@ command_of() {  # command_of NAME LIMIT: sets cmd to step NAME's command line
     fold_segments) cmd=("$py" bench/fold_segments.py "${fold_args[@]}") ;;
     launches) cmd=("$py" bench/launches.py --device "$dev" --out "$results") ;;
     fused_copy) cmd=("$py" bench/fused_copy.py --out "$results" "${copy_args[@]}") ;;
+    pp_streams) cmd=("$py" bench/pp_streams.py --device "$dev" --out "$results") ;;
     *) echo "gpu_check: no command for step $1" >&2; return 1 ;;
   esac
 }

@@ -146,3 +146,35 @@ def test_buckets_share_the_graph_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     held = run(share=False)
     shared = run(share=True)
     assert 0 < shared <= 0.7 * held, (shared, held)
+
+
+def test_event_fences_let_a_side_stream_send_ring_outputs_without_host_syncs() -> None:
+    """output_slots=2 and an engine loop that copies each forward's outputs on a second stream (a send)
+    and hands the copy's event to ``fence_outputs``: forward i + 2 waits for it on the device, the loop
+    never synchronises (CUDA's sync debug mode raises on any host sync), and every copy equals eager."""
+    m = _stage()
+    c = _compile(m, graph_mode="cuda", output_slots=2)
+    side = torch.cuda.Stream()
+    counts = [5, 8, 9, 16, 3, 32, 7, 12]
+    for n in SIZES:  # captures every bucket before the loop
+        c(*_inputs(n, 0))
+    torch.cuda.synchronize()
+    sent, want = [], []
+    with counters.expect(fence_waits={"event": len(counts) - 2}):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i, n in enumerate(counts):
+                x, r = _inputs(n, i)
+                out = c(x, r)
+                want.append(m(x, r))
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    sent.append(tuple(torch.empty_like(t).copy_(t, non_blocking=True) for t in out))
+                    event = side.record_event()
+                assert ppcompile.fence_outputs(out, event) == 1
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    for got, exp in zip(sent, want):
+        for g, e in zip(got, exp):
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
