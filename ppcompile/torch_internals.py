@@ -25,7 +25,7 @@ __all__ = [
     "C_SCALED_DOT_PRODUCT_ATTENTION", "OpOverload", "OpOverloadPacket", "TorchInternalsError",
     "compile_id", "cuda_graph_capture", "current_shape_env", "custom_op_implementation", "custom_op_module",
     "data_dependent_errors", "dynamo_compile_start_ns", "dynamo_generation",
-    "floats_specialized", "frame_compile_index",
+    "floats_specialized", "frame_compile_index", "frame_id",
     "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol", "mark_dynamic",
     "raise_recompile_limit", "recompile_limit", "register_backend", "reset_dynamo", "resolve_process_group",
     "restart_analysis",
@@ -251,6 +251,12 @@ def recompile_limit() -> int:
     """Dynamo's per-code-object recompile limit: past it, a frame whose guards fail runs uncompiled."""
     config = _lookup("torch._dynamo", "config", "to read the recompile limit")
     return int(_attr(config, "recompile_limit", "torch._dynamo.config", "to read the recompile limit"))
+
+
+def frame_id(compile_id: Any) -> int | None:
+    """The frame of ``compile_id`` (``0/3`` is frame 0), or None."""
+    frame = getattr(compile_id, "frame_id", None)
+    return frame if isinstance(frame, int) else None
 
 
 def frame_compile_index(compile_id: Any) -> int | None:

@@ -6,6 +6,7 @@ and registered on ``import ppcompile`` as well.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from ppcompile.debug.report import on_stage_compiled, publish_report
 from ppcompile.lowering import lower_stage
 from ppcompile.passes.context import PassContext
 from ppcompile.passes.manager import run_passes
+from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.observer import CaptureStart
 from ppcompile.runtime.stage_runtime import RECOMPILE_LIMIT, StageRuntime
 
@@ -89,6 +91,28 @@ def _remember_state(runtime: StageRuntime, example_inputs: list[Any]) -> None:
     weakref.finalize(runtime, _MODULE_STATE.pop, key, None)
 
 
+def _lineage(stage: CompiledStage, example_inputs: list[Any]) -> CompiledStage:
+    """``stage`` with the module instance it serves and the stage graph it recompiles, if any: an earlier
+    stage graph of the same frame compiled reading the same parameters or buffers served the same module
+    (a recompile); otherwise this is the frame's next module instance."""
+    frame = torch_internals.frame_id(stage.record.compile_id)
+    state = {id(x) for i in stage.state_slots if isinstance(x := example_inputs[i], torch.Tensor)}
+    if frame is None or not state:
+        return stage
+    modules: dict[int, StageRuntime] = {}  # module index -> its first stage graph
+    recompile_of = None
+    for rt in stage_runtimes():
+        record = rt.compiled.record
+        if torch_internals.frame_id(record.compile_id) != frame or record.module is None:
+            continue
+        modules.setdefault(record.module, rt)
+        if recompile_of is None and any(id(t) in state for t in _MODULE_STATE.get(id(rt), ())):
+            recompile_of = (record.module, modules[record.module].name)
+    module, first = recompile_of if recompile_of is not None else (len(modules) + 1, None)
+    return dataclasses.replace(stage, record=dataclasses.replace(stage.record, module=module,
+                                                                 recompile_of=first))
+
+
 def _graph_name() -> str:
     compile_id = torch_internals.compile_id()
     suffix = str(compile_id).replace("/", "_") if compile_id is not None else str(len(_RUNTIMES))
@@ -126,6 +150,7 @@ def pp_breakable(
         frame_compile=_nth(torch_internals.frame_compile_index(compile_id)),
         recompile_limit=torch_internals.recompile_limit(),
     )
+    stage = _lineage(stage, list(example_inputs))
     built: list[weakref.ref[StageRuntime]] = []  # the runtime, for the report rewrite after a capture run
 
     def capture_recorder(start: CaptureStart) -> CaptureRecorder:

@@ -250,7 +250,8 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
         "traffic": _traffic(runtime),
         "output_ring": _output_ring(runtime),
         "fall_offs": runtime.fall_offs(),
-        "recompile_budget": {"frame_compile": record.frame_compile, "limit": record.recompile_limit},
+        "recompile_budget": {"frame_compile": record.frame_compile, "limit": record.recompile_limit,
+                             "module": record.module, "recompile_of": record.recompile_of},
         "captures": {
             "count": sum(r.graphs for r in records if r.failed is None),
             "runs": [dataclasses.asdict(r) for r in records],

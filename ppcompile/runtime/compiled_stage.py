@@ -37,6 +37,10 @@ class CompileRecord:
     # The recompile budget: which compile of its frame this is (1 for the first) and Dynamo's limit.
     frame_compile: int | None = None
     recompile_limit: int | None = None
+    # Which module instance of its frame it serves (1 for the first; by the parameters and buffers it
+    # reads; None for a stage graph that reads none), and the stage graph it recompiles for that module.
+    module: int | None = None
+    recompile_of: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

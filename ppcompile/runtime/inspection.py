@@ -103,10 +103,22 @@ class StageInspection:
             code.setdefault(f"graph ({path.describe()})", str(getattr(path.code, "source", "")))
         return code
 
+    @property
+    def label(self) -> str:
+        """The stage graph's name (Dynamo's compile id), with the module instance it serves when that is
+        not the frame's first module, and what it recompiles: ``stage_graph_0_2 (recompile of
+        stage_graph_0_0)``, ``stage_graph_0_1 (module 2 of its frame)``."""
+        record = self.compiled.record
+        if record.recompile_of is not None:
+            return f"{self.compiled.name} (recompile of {record.recompile_of})"
+        if record.module is not None and record.module > 1:
+            return f"{self.compiled.name} (module {record.module} of its frame)"
+        return self.compiled.name
+
     def describe(self) -> str:
         """A short human-readable summary: segments, breaks and their reasons, buckets."""
         c = self.compiled
-        lines = [f"{c.name}: {len(c.segments)} segments, graph mode {c.graph_mode}, "
+        lines = [f"{self.label}: {len(c.segments)} segments, graph mode {c.graph_mode}, "
                  f"buckets {len(c.plan.sizes)} up to {c.plan.cap}"]
         if c.record.frame_compile is not None:
             lines.append(f"  recompile budget: compile {c.record.frame_compile} of its frame, Dynamo's limit "

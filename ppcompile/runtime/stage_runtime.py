@@ -160,7 +160,7 @@ class StageRuntime(StageInspection):
             return
         self._fall_offs[cause] = message
         counters.fall_offs[cause] += 1
-        log.warning("%s: %s: %s", self.name, cause, message)
+        log.warning("%s: %s: %s", self.label, cause, message)
 
     def fall_offs(self) -> dict[str, str]:
         """The causes this stage graph fell off the graph path for, with what happened and the fix."""

@@ -46,3 +46,29 @@ def test_runtimes_of_a_reset_dynamo_are_dropped_even_while_referenced() -> None:
     call(c, 6)  # Dynamo compiles the module again: a new runtime, listed
     (fresh,) = ppcompile.runtimes_of(c)
     assert fresh is not kept and ppcompile.stage_runtimes() == [fresh]
+
+
+class Scaled(Tiny):
+    """Tiny times a per-instance int attribute: Dynamo guards on it, so each instance recompiles."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.k
+
+
+def test_names_tell_another_module_instance_from_a_recompile() -> None:
+    first, second = Scaled(2), Scaled(3)
+    c1, c2 = (torch.compile(m, backend="pp_breakable", options=OPTIONS) for m in (first, second))
+    call(c1, 5)
+    call(c2, 6)  # its int attribute fails the guards: compile 2 of the frame, for another module
+    call(c1, 1)  # a 1-token call: a static graph, compile 3 of the frame, a recompile for the first
+    (a, one_token), (b,) = ppcompile.runtimes_of(first), ppcompile.runtimes_of(second)
+    records = [rt.compiled.record for rt in (a, b, one_token)]
+    assert [(r.frame_compile, r.module, r.recompile_of) for r in records] == [
+        (1, 1, None), (2, 2, None), (3, 1, a.name)]
+    assert (a.label, b.label) == (a.name, f"{b.name} (module 2 of its frame)")
+    assert one_token.label == f"{one_token.name} (recompile of {a.name})"
+    assert one_token.describe().startswith(one_token.label)

@@ -93,7 +93,8 @@ def test_the_last_compile_the_recompile_limit_allows_is_announced(caplog: pytest
     first, last = ppcompile.runtimes_of(c)
     assert "recompile limit" in last.fall_offs() and "recompile limit" in last.describe()
     assert "recompile budget: compile 1 of its frame, Dynamo's limit 2" in first.describe()
-    assert build_report(last)["recompile_budget"] == {"frame_compile": 2, "limit": 2}
+    assert build_report(last)["recompile_budget"] == {"frame_compile": 2, "limit": 2, "module": 1,
+                                                      "recompile_of": first.name}
     assert out.shape == (7, H)
 
 
