@@ -26,7 +26,8 @@ __all__ = [
     "compile_id", "cuda_graph_capture", "current_shape_env", "custom_op_implementation", "custom_op_module",
     "data_dependent_errors", "dynamo_compile_start_ns", "dynamo_generation",
     "floats_specialized", "frame_compile_index", "frame_id",
-    "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol", "mark_dynamic",
+    "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol",
+    "last_guard_failure", "mark_dynamic",
     "raise_recompile_limit", "recompile_limit", "register_backend", "reset_dynamo", "resolve_process_group",
     "restart_analysis",
     "restart_with_floats_specialized", "shape_env_facts", "shape_env_guards", "shape_env_hints",
@@ -251,6 +252,18 @@ def recompile_limit() -> int:
     """Dynamo's per-code-object recompile limit: past it, a frame whose guards fail runs uncompiled."""
     config = _lookup("torch._dynamo", "config", "to read the recompile limit")
     return int(_attr(config, "recompile_limit", "torch._dynamo.config", "to read the recompile limit"))
+
+
+def last_guard_failure(frame: int) -> str | None:
+    """The latest reason Dynamo recorded for recompiling frame ``frame`` (the guards of its earlier
+    stage graphs that failed, ``0/0: <guard>  # <source line>``, one line per stage graph), or None.
+    Read when the backend is called for a recompile, so it is that recompile's reason."""
+    failures = _lookup("torch._dynamo.utils", "guard_failures", "to say why a stage graph recompiled")
+    prefix = f"{frame}/"
+    for reasons in failures.values():
+        if reasons and str(reasons[-1]).startswith(prefix):
+            return str(reasons[-1])
+    return None
 
 
 def frame_id(compile_id: Any) -> int | None:

@@ -109,8 +109,9 @@ def _lineage(stage: CompiledStage, example_inputs: list[Any]) -> CompiledStage:
         if recompile_of is None and any(id(t) in state for t in _MODULE_STATE.get(id(rt), ())):
             recompile_of = (record.module, modules[record.module].name)
     module, first = recompile_of if recompile_of is not None else (len(modules) + 1, None)
+    reason = torch_internals.last_guard_failure(frame) if first is not None else None
     return dataclasses.replace(stage, record=dataclasses.replace(stage.record, module=module,
-                                                                 recompile_of=first))
+                                                                 recompile_of=first, recompile_reason=reason))
 
 
 def _graph_name() -> str:

@@ -251,7 +251,8 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
         "output_ring": _output_ring(runtime),
         "fall_offs": runtime.fall_offs(),
         "recompile_budget": {"frame_compile": record.frame_compile, "limit": record.recompile_limit,
-                             "module": record.module, "recompile_of": record.recompile_of},
+                             "module": record.module, "recompile_of": record.recompile_of,
+                             "recompile_reason": record.recompile_reason},
         "captures": {
             "count": sum(r.graphs for r in records if r.failed is None),
             "runs": [dataclasses.asdict(r) for r in records],

@@ -41,6 +41,7 @@ class CompileRecord:
     # reads; None for a stage graph that reads none), and the stage graph it recompiles for that module.
     module: int | None = None
     recompile_of: str | None = None
+    recompile_reason: str | None = None  # the guards that failed, with the source lines that added them
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,6 +123,10 @@ class StageInspection:
         if c.record.frame_compile is not None:
             lines.append(f"  recompile budget: compile {c.record.frame_compile} of its frame, Dynamo's limit "
                          f"{c.record.recompile_limit}")
+        if c.record.recompile_reason:
+            lines.append("  recompiled: these guards failed, each with the source line that added it (the "
+                         "counts it tells apart get stage graphs of their own):")
+            lines += [f"    {line}" for line in c.record.recompile_reason.splitlines()]
         if c.eager_reason:
             lines.append(f"  always eager: {c.eager_reason}")
         for cause, message in self.fall_offs().items():

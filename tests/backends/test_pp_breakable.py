@@ -3,6 +3,8 @@ one module (recompiles included), never another instance's."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from tiny_stage import H, Tiny, call
 
@@ -72,3 +74,29 @@ def test_names_tell_another_module_instance_from_a_recompile() -> None:
     assert (a.label, b.label) == (a.name, f"{b.name} (module 2 of its frame)")
     assert one_token.label == f"{one_token.name} (recompile of {a.name})"
     assert one_token.describe().startswith(one_token.label)
+
+
+class PadsToFour(Tiny):
+    """Pads the tokens to a multiple of 4 only when needed: the ``if`` makes Dynamo guard on the count's
+    residue, so multiples of 4 get a stage graph of their own whatever the marking."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = (4 - x.shape[0] % 4) % 4
+        if pad:  # the guarding line
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return super().forward(x)[: x.shape[0] - pad]
+
+
+def test_a_recompile_names_the_guard_that_failed_and_its_source_line() -> None:
+    m = PadsToFour()
+    c = torch.compile(m, backend="pp_breakable", options=OPTIONS)
+    for n in (5, 6, 8, 12):
+        call(c, n)
+    first, second = ppcompile.runtimes_of(m)
+    assert first.compiled.record.recompile_reason is None
+    reason = second.compiled.record.recompile_reason
+    line = inspect.getsourcelines(PadsToFour.forward)[1] + 2
+    assert reason is not None and reason.startswith(first.name.removeprefix("stage_graph_").replace("_", "/"))
+    assert f"test_pp_breakable.py:{line} in forward" in reason and "if pad:" in reason, reason
+    described = second.describe()
+    assert "recompiled: these guards failed" in described and reason.splitlines()[0] in described
