@@ -93,8 +93,9 @@ def _remember_state(runtime: StageRuntime, example_inputs: list[Any]) -> None:
 
 def _lineage(stage: CompiledStage, example_inputs: list[Any]) -> CompiledStage:
     """``stage`` with the module instance it serves and the stage graph it recompiles, if any: an earlier
-    stage graph of the same frame compiled reading the same parameters or buffers served the same module
-    (a recompile); otherwise this is the frame's next module instance."""
+    stage graph of the same frame that read most of the same parameters and buffers (more than half of
+    this one's: stages of one model may share a few, a rotary table) served the same module (a
+    recompile); otherwise this is the frame's next module instance."""
     frame = torch_internals.frame_id(stage.record.compile_id)
     state = {id(x) for i in stage.state_slots if isinstance(x := example_inputs[i], torch.Tensor)}
     if frame is None or not state:
@@ -106,7 +107,8 @@ def _lineage(stage: CompiledStage, example_inputs: list[Any]) -> CompiledStage:
         if torch_internals.frame_id(record.compile_id) != frame or record.module is None:
             continue
         modules.setdefault(record.module, rt)
-        if recompile_of is None and any(id(t) in state for t in _MODULE_STATE.get(id(rt), ())):
+        shared = sum(id(t) in state for t in _MODULE_STATE.get(id(rt), ()))
+        if recompile_of is None and 2 * shared > len(state):
             recompile_of = (record.module, modules[record.module].name)
     module, first = recompile_of if recompile_of is not None else (len(modules) + 1, None)
     reason = torch_internals.last_guard_failure(frame) if first is not None else None

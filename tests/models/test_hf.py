@@ -331,3 +331,28 @@ def test_hybrid_stages_equal_eager_at_every_token_count() -> None:
                                        msg=lambda m, n=n: f"{n} tokens: {m}")
     # Counts from 9 to 64 whose bucket pads at most 2x take the graph path in both stages.
     assert ppcompile.counters.replays >= 2 * (64 - 9)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_next"])
+def test_each_stage_spends_at_most_two_compiles_from_one_token_to_above_the_cap(
+    family: str, new_runtimes: Callable[[], list[StageRuntime]]
+) -> None:
+    """Marked token dims: per stage one symbolic stage graph and one for a single token, whatever the
+    count; the two stages (instances of one class, one Dynamo frame) are told apart from recompiles."""
+    model = _model(family)
+    stages = [torch.compile(s, backend="pp_breakable", options=OPTIONS) for s in make_hf_stages(model, 2)]
+    flat = make_hf_stages(model, 2)
+    with torch.inference_mode():
+        for n in (5, 1, 4, 8, 9, 16, 17, 3, 12, 2, 15, 33):
+            ids, positions = _ids(n), torch.arange(n)
+            logits = _marked_pipeline(stages, ids, positions, mark=True)
+            torch.testing.assert_close(logits, _pipeline(flat, ids, positions), rtol=1e-4, atol=1e-4)
+    runtimes = new_runtimes()
+    by_module: dict[int | None, list[StageRuntime]] = {}
+    for rt in runtimes:
+        by_module.setdefault(rt.compiled.record.module, []).append(rt)
+    assert sorted(by_module) == [1, 2] and all(len(rts) == 2 for rts in by_module.values()), \
+        [rt.label for rt in runtimes]
+    for first, one_token in by_module.values():
+        assert one_token.token_symbol is None and one_token.compiled.record.recompile_of == first.name
+    assert by_module[2][0].label.endswith("(module 2 of its frame)")
