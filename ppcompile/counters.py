@@ -6,7 +6,8 @@ bucket) graphs; ``backend_compiles`` counts calls of the backend by Dynamo; ``se
 graph segments actually compiled (unique structures; eager segments compile nothing) and
 ``segment_cache_hits`` the segments that reused an artifact of the same structure; ``fall_offs`` counts,
 by cause, the stage graphs whose forwards stopped reaching the graph path for a reason other than the
-documented policy (``StageRuntime.fall_offs()``: one warning per stage graph and cause);
+documented policy (``StageRuntime.fall_offs()``: one warning per module and cause, however many stage
+graphs Dynamo recompiles for it);
 ``fence_waits`` counts, by kind of fence, the send fences a stage waited before reusing an output ring
 slot (``ppcompile.fence_outputs``).
 """

@@ -35,6 +35,14 @@ from ppcompile.counters import counters
 from ppcompile.errors import add_note
 from ppcompile.runtime.codegen import make_live_forward
 from ppcompile.runtime.compiled_stage import CompiledStage
+from ppcompile.runtime.fall_offs import (
+    BUCKET_CAPTURE_FAILED,
+    CAPTURE_FAILED,
+    FALL_OFF_CAUSES,
+    NEVER_GRAPHS,
+    RECOMPILE_LIMIT,
+    FallOffs,
+)
 from ppcompile.runtime.graph_path import Wrap
 from ppcompile.runtime.group_agreement import Agreement, GroupDivergenceError, agreement_for
 from ppcompile.runtime.inspection import StageInspection
@@ -45,16 +53,8 @@ from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.validation import aliased_slots, check_inputs, storages_of
 from ppcompile.traffic import TokenHistogram, process_histogram
 
-__all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_GRAPHS", "RECOMPILE_LIMIT",
-           "ConcurrentCallError", "StageRuntime"]
-
-# Why a stage graph's forwards stop reaching the graph path, other than the documented policy (above the
-# cap, beyond the padding guard, graph_mode="none", autograd on, lazy capture not yet): ``note_fall_off``.
-NEVER_GRAPHS = "never graphs"  # the graph's shape guards refuse every capture size
-CAPTURE_FAILED = "capture failed"  # capture="all": graphs off for a module instance
-BUCKET_CAPTURE_FAILED = "bucket capture failed"  # capture="lazy": that bucket runs eagerly
-RECOMPILE_LIMIT = "recompile limit"  # Dynamo's next recompile of the frame runs it uncompiled
-FALL_OFF_CAUSES = (NEVER_GRAPHS, CAPTURE_FAILED, BUCKET_CAPTURE_FAILED, RECOMPILE_LIMIT)
+__all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_GRAPHS",
+           "RECOMPILE_LIMIT", "ConcurrentCallError", "StageRuntime"]
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class StageRuntime(StageInspection):
         self._track_outputs = config.debug and not config.owned_outputs
         # Live token counts served (a static graph has none); they also feed the process-wide histogram.
         self.traffic = TokenHistogram(feeds=process_histogram())
-        self._fall_offs: dict[str, str] = {}  # cause -> what happened and the fix (note_fall_off)
+        self._fall_offs = FallOffs(compiled.record, lambda: self.label)  # note_fall_off
         # A stage with collectives decides alike on every rank of its TP group (group_agreement.py).
         self._agreement = agreement_for(config.tp_group, compiled.collectives, compiled.name)
         self._options_key = int(config.compute_hash()[:15], 16)
@@ -153,18 +153,14 @@ class StageRuntime(StageInspection):
 
     def note_fall_off(self, cause: str, message: str) -> None:
         """Records that forwards stop reaching the graph path for ``cause`` (one of
-        :data:`FALL_OFF_CAUSES`, none a documented policy): the first time per cause, one warning naming
-        the stage, the cause and ``message`` (what happened, and the fix), and ``counters.fall_offs``;
-        ``fall_offs()``, ``describe()`` and the report list it."""
-        if cause in self._fall_offs:
-            return
-        self._fall_offs[cause] = message
-        counters.fall_offs[cause] += 1
-        log.warning("%s: %s: %s", self.label, cause, message)
+        :data:`FALL_OFF_CAUSES`, none a documented policy): ``fall_offs()``, ``describe()`` and the report
+        list it; one warning naming the stage, the cause and ``message`` (what happened, and the fix) and
+        ``counters.fall_offs``, once per module and cause (``fall_offs.py``)."""
+        self._fall_offs.note(cause, message)
 
     def fall_offs(self) -> dict[str, str]:
         """The causes this stage graph fell off the graph path for, with what happened and the fix."""
-        return dict(self._fall_offs)
+        return self._fall_offs.as_dict()
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:

@@ -110,3 +110,20 @@ def test_policy_is_no_fall_off(caplog: pytest.LogCaptureFixture) -> None:
             call(c, n)  # marked unless one token
         call(live, 5)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_fall_off_is_announced_once_per_module_across_its_recompiles(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two stage graphs of one module that never graph (guards of two count classes, neither a bucket):
+    one warning and one count; both list the cause."""
+    m = ChunkPadder()
+    c = torch.compile(m, backend="pp_breakable", options=OPTIONS)
+    with caplog.at_level("WARNING", logger="ppcompile"), ppcompile.counters.expect(
+            fall_offs={"never graphs": 1}):
+        for n in (15, 31, 14, 30):
+            call(c, n)
+    graphs = [rt for rt in ppcompile.runtimes_of(m) if "never graphs" in rt.fall_offs()]
+    assert len(graphs) >= 2, [rt.label for rt in ppcompile.runtimes_of(m)]
+    assert len(_warnings(caplog, "never graphs")) == 1
+    assert all(rt.compiled.record.module == 1 for rt in graphs)
