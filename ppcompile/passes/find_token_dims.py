@@ -71,7 +71,9 @@ def _pick_token_symbol(
 
     Tokens are packed along the leading dim (``[T]``, ``[T, H]``): the bare symbol most often found as
     a live tensor input's leading dim wins. Failing that, the ``[1, T, ...]`` layout of batch-first
-    model code: a symbol that is dim 1 of *every* live input whose dim 0 is 1. Anything else (say a
+    model code: the bare symbol most often found as dim 1 of a live input whose dim 0 is 1 (inputs
+    marked one by one may carry different symbols; the others stay inputs with a dynamic size of their
+    own; a ``[1, H]`` input with a fixed width does not vote). Anything else (say a
     top-k width that stayed dynamic while a 1-token batch pinned the token dim to 1) is not the
     token count: the graph is then treated as having concrete token sizes.
     """
@@ -89,10 +91,13 @@ def _pick_token_symbol(
     if votes:
         symbol = max(votes, key=lambda s: (votes[s], -first[s][0]))
         return symbol, first[symbol]
-    batch_first = [(i, exprs) for i, exprs in tensors if len(exprs) > 1 and exprs[0] == 1]
-    dim1 = {exprs[1] for _, exprs in batch_first}
-    if len(dim1) == 1 and isinstance(symbol := next(iter(dim1)), sympy.Symbol):
-        return symbol, (batch_first[0][0], 1)
+    for i, exprs in tensors:
+        if len(exprs) > 1 and exprs[0] == 1 and isinstance(exprs[1], sympy.Symbol):
+            votes[exprs[1]] += 1
+            first.setdefault(exprs[1], (i, 1))
+    if votes:  # the most common, the first input's on a tie
+        symbol = max(votes, key=lambda s: (votes[s], -first[s][0]))
+        return symbol, first[symbol]
     return None, None
 
 
