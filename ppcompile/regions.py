@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,8 +46,9 @@ import torch
 import torch.fx.traceback
 from torch import nn
 
-__all__ = ["ANNOTATION_KEY", "class_label", "declared_classes", "declared_functions", "eager_region",
-           "is_declared", "token_local", "undeclare"]
+__all__ = ["ANNOTATION_KEY", "LIBRARY_LABELS", "LIBRARY_REGIONS", "class_label", "declared_classes",
+           "declared_functions", "eager_region", "is_declared", "library_functions", "token_local",
+           "undeclare"]
 
 ANNOTATION_KEY = "pp_token_local"
 """Key of ``node.meta["custom"]`` holding the declared instance's label."""
@@ -96,9 +98,40 @@ def is_declared(module: nn.Module) -> bool:
     return type(module) in _CLASSES or getattr(module.forward, "__pp_token_local__", None) is not None
 
 
+LIBRARY_REGIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    # Hugging Face's attention-mask builders. Given position_ids (an HF model passes them; so does a
+    # wrapper written like one) they look for packed sequences (diff, cumsum) and gather the mask by
+    # position, several row-mixing ops each; as one region with one label, the masks of every attention
+    # type a stage builds are one break, before its first layer. Without position_ids their ops are
+    # padding-safe and stay in graphs.
+    "transformers.masking_utils": (
+        ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask",
+         "create_bidirectional_mask", "create_bidirectional_sliding_window_mask"),
+        "transformers attention masks (masking_utils)"),
+}
+"""Library regions, known without a declaration whenever their module is loaded: module -> (function
+names, the one label of their region). Unlike a declared eager region, a library region is no break by
+itself: its ops stay in graphs unless one of them must break (a padding-unsafe op), and then the whole
+region is one break instead of a break per op."""
+LIBRARY_LABELS = frozenset(label for _, label in LIBRARY_REGIONS.values())
+
+
+def library_functions() -> dict[tuple[str, str], str]:
+    """The functions of :data:`LIBRARY_REGIONS` whose modules are loaded (nothing is imported)."""
+    found: dict[tuple[str, str], str] = {}
+    for module_name, (names, label) in LIBRARY_REGIONS.items():
+        module = sys.modules.get(module_name)
+        for name in names if module is not None else ():
+            code = getattr(inspect.unwrap(getattr(module, name, None) or (lambda: None)), "__code__", None)
+            if code is not None and code.co_name == name:
+                found[(code.co_filename, name)] = label
+    return found
+
+
 def declared_functions() -> dict[tuple[str, str], str]:
-    """Functions declared eager regions, as (source file, function name) -> label; a copy."""
-    return dict(_FUNCTIONS)
+    """Functions whose ops form one region, as (source file, function name) -> label: those declared eager
+    regions and the loaded :data:`LIBRARY_REGIONS` (labels in :data:`LIBRARY_LABELS`); a copy."""
+    return {**library_functions(), **_FUNCTIONS}
 
 
 def _code_of(function: Callable[..., Any]) -> Any:

@@ -213,10 +213,14 @@ def test_varlen_packs_sequences_through_hf_packed_mask(
             with ppcompile.counters.expect(replays=2):
                 logits = _pipeline(stages, ids, positions)
             torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5, msg=str(lens))
-    # HF's packed-sequence detection: the diff over positions reads the next row (eager, with a reason);
-    # the cumsum over its result is prefix-causal and stays in a graph.
-    unsafe = _reasons(new_runtimes(), BreakKind.UNSAFE_OP)
-    assert "diff" in unsafe and "cumsum" not in unsafe
+    # HF's mask builders given positions: the packed-sequence detection (a diff over positions reads the
+    # next row) and the gathers by position mix rows; the builders are one library region, so the whole
+    # mask is one break per stage graph, before the first layer, not a break per row-mixing op.
+    for rt in new_runtimes():
+        masks = [r for r in rt.break_reasons if r.kind is BreakKind.UNSAFE_OP]
+        assert len(masks) == 1 and "transformers attention masks (masking_utils)" in masks[0].op, \
+            rt.describe()
+        assert "diff" in masks[0].op and "cumsum" in masks[0].op
 
 
 def test_eager_attention_is_reported_not_fatal(new_runtimes: Callable[[], list[StageRuntime]]) -> None:
@@ -356,3 +360,47 @@ def test_each_stage_spends_at_most_two_compiles_from_one_token_to_above_the_cap(
     for first, one_token in by_module.values():
         assert one_token.token_symbol is None and one_token.compiled.record.recompile_of == first.name
     assert by_module[2][0].label.endswith("(module 2 of its frame)")
+
+
+class _UserWrapper(torch.nn.Module):
+    """A stage wrapper as a new user writes one: the HF model itself, batch-first, given position_ids
+    (which HF's mask builders use to look for packed sequences)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, position_ids=positions, use_cache=False).logits  # type: ignore
+
+
+_MASK_FAMILIES = {"llama": ("LlamaConfig", {}), "gemma3": ("Gemma3TextConfig", {"sliding_window": 4}),
+                  "cohere": ("CohereConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+                  "granite": ("GraniteConfig", {})}
+
+
+@pytest.mark.parametrize("family", sorted(_MASK_FAMILIES))
+def test_hf_mask_code_given_positions_is_one_break_per_stage_graph(family: str) -> None:
+    """A user's wrapper passes position_ids, so HF's mask builders run their packed-sequence detection
+    and position gathers (row-mixing: 2-5 breaks before): one break per stage graph now, beside the
+    attention breaks; logits equal eager at a bucket, a bucket + 1, below and above the cap."""
+    from ppcompile.models.hf import _TINY_SHAPE
+
+    class_name, extra = _MASK_FAMILIES[family]
+    if getattr(transformers, class_name, None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    config = getattr(transformers, class_name)(**{**_TINY_SHAPE, "num_hidden_layers": 2,
+                                                  "attn_implementation": "sdpa", **extra})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _UserWrapper(transformers.AutoModelForCausalLM.from_config(config).eval())
+    compiled = torch.compile(model, backend="pp_breakable", options=OPTIONS)
+    with torch.inference_mode():
+        for n in (8, 9, 3, 20):
+            ids, positions = _ids(n)[None], torch.arange(n)[None]
+            ppcompile.mark_token_dynamic(ids, positions, dim=1)
+            torch.testing.assert_close(compiled(ids, positions), model(ids, positions), rtol=1e-5, atol=1e-5)
+    (rt,) = [rt for rt in ppcompile.runtimes_of(model) if rt.token_symbol is not None]
+    others = [r for r in rt.break_reasons if r.kind is not BreakKind.ATTENTION]
+    assert len(others) == 1 and "transformers attention masks (masking_utils)" in others[0].op, rt.describe()
+    assert ppcompile.counters.replays == 3  # 20 tokens is above the cap

@@ -3,6 +3,8 @@ whole, never cut, and equal to eager at token counts that are not a bucket."""
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +14,7 @@ from fx_helpers import dynamo_graph, make_ctx, run_until
 from torch import nn
 
 import ppcompile
+from ppcompile import regions
 from ppcompile.analysis import partitions
 from ppcompile.analysis.node_facts import PADDING_UNSAFE, TOKEN_LOCAL
 from ppcompile.passes.check_padding_safety import check_padding_safety
@@ -237,3 +240,24 @@ def test_without_the_declaration_the_scan_breaks_op_by_op() -> None:
 def test_eager_region_takes_python_functions_only() -> None:
     with pytest.raises(TypeError, match="Python function"):
         ppcompile.eager_region(torch.relu)
+
+
+def test_library_regions_are_known_once_their_module_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's mask builders form one library region when transformers.masking_utils is loaded (nothing is
+    imported for it), under one label, which is not a break by itself."""
+    module = types.ModuleType("transformers.masking_utils")
+
+    def create_causal_mask() -> None: ...
+
+    def create_sliding_window_causal_mask() -> None: ...
+
+    module.create_causal_mask = create_causal_mask  # type: ignore[attr-defined]
+    module.create_sliding_window_causal_mask = create_sliding_window_causal_mask  # type: ignore[attr-defined]
+    monkeypatch.delitem(sys.modules, "transformers.masking_utils", raising=False)
+    assert not any(label in regions.LIBRARY_LABELS for label in regions.declared_functions().values())
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", module)
+    found = regions.library_functions()
+    label = "transformers attention masks (masking_utils)"
+    assert found == {(__file__, "create_causal_mask"): label,
+                     (__file__, "create_sliding_window_causal_mask"): label}
+    assert label in regions.LIBRARY_LABELS and regions.declared_functions().items() >= found.items()
