@@ -46,9 +46,9 @@ import torch
 import torch.fx.traceback
 from torch import nn
 
-__all__ = ["ANNOTATION_KEY", "LIBRARY_LABELS", "LIBRARY_REGIONS", "class_label", "declared_classes",
-           "declared_functions", "eager_region", "is_declared", "library_functions", "token_local",
-           "undeclare"]
+__all__ = ["ANNOTATION_KEY", "LIBRARY_MODULES", "LIBRARY_PREFIX", "LIBRARY_REGIONS", "class_label",
+           "declared_classes", "declared_functions", "eager_region", "is_declared", "is_library_label",
+           "library_functions", "token_local", "undeclare"]
 
 ANNOTATION_KEY = "pp_token_local"
 """Key of ``node.meta["custom"]`` holding the declared instance's label."""
@@ -107,13 +107,32 @@ LIBRARY_REGIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "transformers.masking_utils": (
         ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask",
          "create_bidirectional_mask", "create_bidirectional_sliding_window_mask"),
-        "transformers attention masks (masking_utils)"),
+        "library region: transformers attention masks (masking_utils)"),
 }
 """Library regions, known without a declaration whenever their module is loaded: module -> (function
 names, the one label of their region). Unlike a declared eager region, a library region is no break by
 itself: its ops stay in graphs unless one of them must break (a padding-unsafe op), and then the whole
 region is one break instead of a break per op."""
-LIBRARY_LABELS = frozenset(label for _, label in LIBRARY_REGIONS.values())
+LIBRARY_PREFIX = "library region: "
+LIBRARY_MODULES: frozenset[str] = frozenset(f"transformers.models.{path}" for path in (
+    # State-space and short-convolution mixers: written in torch (no mamba_ssm / causal_conv1d kernels),
+    # a chunked scan pads the tokens to the chunk size, folds them into chunks, takes segment sums and
+    # cumsums across them: a break per row-mixing op. As a library region each mixer is one break,
+    # run eagerly on the live rows, so the states it computes never see padding.
+    "mamba.modeling_mamba.MambaMixer", "mamba2.modeling_mamba2.Mamba2Mixer",
+    "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer", "bamba.modeling_bamba.BambaMixer",
+    "falcon_h1.modeling_falcon_h1.FalconH1Mixer", "jamba.modeling_jamba.JambaMambaMixer",
+    "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+    "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer", "zamba.modeling_zamba.ZambaMambaMixer",
+    "zamba2.modeling_zamba2.Zamba2MambaMixer", "lfm2.modeling_lfm2.Lfm2ShortConv",
+    "lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
+))
+"""Module classes (``module.QualName``) whose instances are library regions, one per instance."""
+
+
+def is_library_label(label: str) -> bool:
+    """Whether a region label (``meta["pp_eager_region"]``) names a library region, not a declared one."""
+    return label.startswith(LIBRARY_PREFIX)
 
 
 def library_functions() -> dict[tuple[str, str], str]:
@@ -130,7 +149,7 @@ def library_functions() -> dict[tuple[str, str], str]:
 
 def declared_functions() -> dict[tuple[str, str], str]:
     """Functions whose ops form one region, as (source file, function name) -> label: those declared eager
-    regions and the loaded :data:`LIBRARY_REGIONS` (labels in :data:`LIBRARY_LABELS`); a copy."""
+    regions and the loaded :data:`LIBRARY_REGIONS` (labels :func:`is_library_label`); a copy."""
     return {**library_functions(), **_FUNCTIONS}
 
 

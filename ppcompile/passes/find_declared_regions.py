@@ -36,12 +36,20 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Set
 
 import torch
 
 from ppcompile.analysis.node_facts import EAGER_REGION, TOKEN_LOCAL
 from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.regions import ANNOTATION_KEY, class_label, declared_classes, declared_functions
+from ppcompile.regions import (
+    ANNOTATION_KEY,
+    LIBRARY_MODULES,
+    LIBRARY_PREFIX,
+    class_label,
+    declared_classes,
+    declared_functions,
+)
 
 __all__ = ["find_declared_regions"]
 
@@ -57,9 +65,10 @@ def _readable(path: str) -> str:
     return re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "") or "(stage)"
 
 
-def _region_of(node: torch.fx.Node, classes: set[str]) -> str | None:
-    """The name of the declared region ``node`` lies in: the outermost declared module on its stack."""
-    annotated = (node.meta.get("custom") or {}).get(ANNOTATION_KEY)
+def _region_of(node: torch.fx.Node, classes: Set[str], annotations: bool = True) -> str | None:
+    """The name of the region ``node`` lies in: the outermost module of one of ``classes`` on its stack
+    (or, with ``annotations``, an instance declared token-local)."""
+    annotated = (node.meta.get("custom") or {}).get(ANNOTATION_KEY) if annotations else None
     stack = list((node.meta.get("nn_module_stack") or {}).values())
     for entry in stack:
         path, cls = entry if isinstance(entry, tuple) and len(entry) == 2 else (str(entry), None)
@@ -90,6 +99,8 @@ def find_declared_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
         if node.op not in ("call_function", "call_method", "get_attr"):
             continue
         eager = _eager_region_of(node, functions) if functions else None
+        if eager is None and (mixer := _region_of(node, LIBRARY_MODULES, annotations=False)) is not None:
+            eager = LIBRARY_PREFIX + mixer  # one region per module instance
         if eager is not None:
             EAGER_REGION.set(node, eager)
             continue

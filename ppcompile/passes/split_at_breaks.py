@@ -54,7 +54,7 @@ from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name
 from ppcompile.analysis.partitions import atomic_regions, fold_tiny_graphs
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
-from ppcompile.regions import LIBRARY_LABELS
+from ppcompile.regions import is_library_label
 from ppcompile.symbolic import example_value, shape_exprs, size_expr
 from ppcompile.torch_internals import tree_leaves
 
@@ -90,7 +90,7 @@ def _break_reason(
     reads_host = any(a in host for a in node.all_input_nodes)
     if reads_host and not isinstance(example_value(node), torch.Tensor):
         host.add(node)  # a number derived from a per-call scalar: its readers run eagerly too
-    if (region := EAGER_REGION.get(node)) is not None and region not in LIBRARY_LABELS:
+    if (region := EAGER_REGION.get(node)) is not None and not is_library_label(region):
         return BreakReason(BreakKind.EAGER_REGION, op_name(node, qualified=True),
                            f"traced inside {region}, declared an eager region", trace)
     if attention.matches(node):

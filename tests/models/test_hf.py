@@ -404,3 +404,101 @@ def test_hf_mask_code_given_positions_is_one_break_per_stage_graph(family: str) 
     others = [r for r in rt.break_reasons if r.kind is not BreakKind.ATTENTION]
     assert len(others) == 1 and "transformers attention masks (masking_utils)" in others[0].op, rt.describe()
     assert ppcompile.counters.replays == 3  # 20 tokens is above the cap
+
+
+_SSM_BASE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+_SSM_MAMBA2: dict[str, Any] = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
+                               "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_expand": 2}
+# family -> (config class, fields, the mixer class's name, mixer breaks in a 2-layer model: LFM2's short
+# causal conv is prefix-causal and stays in graphs, no break)
+_SSM_FAMILIES: dict[str, tuple[str, dict[str, Any], str, int]] = {
+    "mamba2": ("Mamba2Config", {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 1,
+                                "chunk_size": 16, "expand": 2, "conv_kernel": 4}, "Mamba2Mixer", 2),
+    "bamba": ("BambaConfig", {**_SSM_MAMBA2, "attn_layer_indices": [1], "attn_implementation": "sdpa"},
+              "BambaMixer", 1),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", {**_SSM_MAMBA2, "layer_types": ["mamba", "attention"],
+                                                    "num_local_experts": 2, "num_experts_per_tok": 1,
+                                                    "attn_implementation": "sdpa"},
+                         "GraniteMoeHybridMambaLayer", 1),
+    "zamba2": ("Zamba2Config", {"layers_block_type": ["mamba", "hybrid"], "mamba_d_state": 16,
+                                "mamba_headdim": 16, "n_mamba_heads": 8, "mamba_ngroups": 1,
+                                "chunk_size": 16, "attn_implementation": "sdpa"}, "Zamba2MambaMixer", 2),
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"], "attn_implementation": "sdpa"},
+             "Lfm2ShortConv", 0),
+}
+
+
+class _BatchFirstLM(torch.nn.Module):
+    """A user's stage wrapper: the HF model on ``[1, T]`` ids, no cache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("family", sorted(_SSM_FAMILIES))
+def test_a_state_space_or_short_conv_mixer_is_one_break(family: str) -> None:
+    """HF's torch reference mixers (a chunked SSD scan, a short causal conv) may mix token rows all
+    through; each mixer instance is one library region: one break run on the live rows if any of its
+    ops must break (4-7 breaks per layer before), else in graphs. Logits equal eager at a bucket, a
+    bucket + 1, below and above the cap."""
+    class_name, fields, mixer, mixer_breaks = _SSM_FAMILIES[family]
+    if getattr(transformers, class_name, None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    config = getattr(transformers, class_name)(**{**_SSM_BASE, **fields})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _BatchFirstLM(transformers.AutoModelForCausalLM.from_config(config).eval())
+    compiled = torch.compile(model, backend="pp_breakable", options=OPTIONS)
+    with torch.inference_mode():
+        for n in (8, 9, 3, 20):
+            ids = _ids(n)[None]
+            ppcompile.mark_token_dynamic(ids, dim=1)
+            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4, atol=1e-4)
+    graphs = [rt for rt in ppcompile.runtimes_of(model) if rt.token_symbol is not None]
+    assert graphs and ppcompile.counters.replays == 3  # 20 tokens is above the cap
+    for rt in graphs:
+        ops = [r.op for r in rt.break_reasons]
+        assert sum("library region: " in op and f".{mixer})" in op for op in ops) == mixer_breaks, \
+            rt.describe()
+
+
+class _StatesOut(torch.nn.Module):
+    """The HF model with a cache, returning the logits and every layer's conv and SSM states."""
+
+    def __init__(self, model: torch.nn.Module, layers: int) -> None:
+        super().__init__()
+        self.model, self.layers = model, layers
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.model(input_ids=ids, use_cache=True)
+        cache = out.cache  # type: ignore[attr-defined]
+        states = [t for i in range(self.layers)
+                  for t in (cache.get_conv_state(i), cache.get_recurrent_state(i))]
+        return (out.logits, *states)
+
+
+def test_the_states_a_mixer_writes_for_decode_equal_eager() -> None:
+    """The conv and SSM states a Mamba-2 mixer leaves for decode never see padded rows: the mixer runs
+    on the live rows (one break), so on the graph path they equal eager's at every count."""
+    if getattr(transformers, "Mamba2Config", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Mamba2Config")
+    class_name, fields, _, _ = _SSM_FAMILIES["mamba2"]
+    config = getattr(transformers, class_name)(**{**_SSM_BASE, **fields})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _StatesOut(transformers.AutoModelForCausalLM.from_config(config).eval(), 2)
+    compiled = torch.compile(model, backend="pp_breakable", options=OPTIONS)
+    with torch.inference_mode():
+        for n in (8, 9, 3, 16, 5):
+            ids = _ids(n)[None]
+            ppcompile.mark_token_dynamic(ids, dim=1)
+            got, want = compiled(ids), model(ids)
+            assert len(got) == 5 and all(t is not None for t in want)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} tokens: {m}")
+    assert ppcompile.counters.replays == 5
