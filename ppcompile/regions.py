@@ -124,6 +124,9 @@ LIBRARY_MODULES: frozenset[str] = frozenset(f"transformers.models.{path}" for pa
     "falcon_h1.modeling_falcon_h1.FalconH1Mixer", "jamba.modeling_jamba.JambaMambaMixer",
     "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
     "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer", "zamba.modeling_zamba.ZambaMambaMixer",
+    # Qwen3-Next's gated DeltaNet: transformers 5.25 splits and re-joins its tokens around the chunked
+    # scan (tensor_split, cat); as one region the layer is one break in every release.
+    "qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
     "zamba2.modeling_zamba2.Zamba2MambaMixer", "lfm2.modeling_lfm2.Lfm2ShortConv",
     "lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
 ))

@@ -98,9 +98,10 @@ def find_declared_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "get_attr"):
             continue
-        eager = _eager_region_of(node, functions) if functions else None
-        if eager is None and (mixer := _region_of(node, LIBRARY_MODULES, annotations=False)) is not None:
-            eager = LIBRARY_PREFIX + mixer  # one region per module instance
+        # A library module holds any region declared inside it (one region per module instance).
+        eager = _region_of(node, LIBRARY_MODULES, annotations=False)
+        eager = LIBRARY_PREFIX + eager if eager is not None else (
+            _eager_region_of(node, functions) if functions else None)
         if eager is not None:
             EAGER_REGION.set(node, eager)
             continue
