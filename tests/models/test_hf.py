@@ -364,6 +364,40 @@ def test_each_stage_spends_at_most_two_compiles_from_one_token_to_above_the_cap(
     assert by_module[2][0].label.endswith("(module 2 of its frame)")
 
 
+# 2-layer models of families HFStage does not build, made from their transformers configs.
+_SMALL: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+_SSM_MAMBA2: dict[str, Any] = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
+                               "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_expand": 2}
+# family -> (config class, fields, the mixer class's name, mixer breaks in a 2-layer model: LFM2's short
+# causal conv is prefix-causal and stays in graphs, no break)
+_SSM_FAMILIES: dict[str, tuple[str, dict[str, Any], str, int]] = {
+    "mamba2": ("Mamba2Config", {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 1,
+                                "chunk_size": 16, "expand": 2, "conv_kernel": 4}, "Mamba2Mixer", 2),
+    "bamba": ("BambaConfig", {**_SSM_MAMBA2, "attn_layer_indices": [1], "attn_implementation": "sdpa"},
+              "BambaMixer", 1),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", {**_SSM_MAMBA2, "layer_types": ["mamba", "attention"],
+                                                    "num_local_experts": 2, "num_experts_per_tok": 1,
+                                                    "attn_implementation": "sdpa"},
+                         "GraniteMoeHybridMambaLayer", 1),
+    "zamba2": ("Zamba2Config", {"layers_block_type": ["mamba", "hybrid"], "mamba_d_state": 16,
+                                "mamba_headdim": 16, "n_mamba_heads": 8, "mamba_ngroups": 1,
+                                "chunk_size": 16, "attn_implementation": "sdpa"}, "Zamba2MambaMixer", 2),
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"], "attn_implementation": "sdpa"},
+             "Lfm2ShortConv", 0),
+}
+
+
+def _from_config(class_name: str, **fields: Any) -> torch.nn.Module:
+    """A seeded random-weight causal LM of transformers' ``class_name`` config (skips if it is missing)."""
+    if getattr(transformers, class_name, None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    config = getattr(transformers, class_name)(**fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config).eval()  # type: ignore[no-any-return]
+
+
 class _UserWrapper(torch.nn.Module):
     """A stage wrapper as a new user writes one: the HF model itself, batch-first, given position_ids
     (which HF's mask builders use to look for packed sequences)."""
@@ -386,16 +420,9 @@ def test_hf_mask_code_given_positions_is_one_break_per_stage_graph(family: str) 
     """A user's wrapper passes position_ids, so HF's mask builders run their packed-sequence detection
     and position gathers (row-mixing: 2-5 breaks before): one break per stage graph now, beside the
     attention breaks; logits equal eager at a bucket, a bucket + 1, below and above the cap."""
-    from ppcompile.models.hf import _TINY_SHAPE
-
     class_name, extra = _MASK_FAMILIES[family]
-    if getattr(transformers, class_name, None) is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
-    config = getattr(transformers, class_name)(**{**_TINY_SHAPE, "num_hidden_layers": 2,
-                                                  "attn_implementation": "sdpa", **extra})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = _UserWrapper(transformers.AutoModelForCausalLM.from_config(config).eval())
+    model = _UserWrapper(_from_config(class_name, **{**_SMALL, "head_dim": 16, "attn_implementation": "sdpa",
+                                                     **extra}))
     compiled = torch.compile(model, backend="pp_breakable", options=OPTIONS)
     with torch.inference_mode():
         for n in (8, 9, 3, 20):
@@ -407,28 +434,6 @@ def test_hf_mask_code_given_positions_is_one_break_per_stage_graph(family: str) 
     assert len(others) == 1 and "transformers attention masks (masking_utils)" in others[0].op, rt.describe()
     assert ppcompile.counters.replays == 3  # 20 tokens is above the cap
 
-
-_SSM_BASE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
-_SSM_MAMBA2: dict[str, Any] = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
-                               "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_expand": 2}
-# family -> (config class, fields, the mixer class's name, mixer breaks in a 2-layer model: LFM2's short
-# causal conv is prefix-causal and stays in graphs, no break)
-_SSM_FAMILIES: dict[str, tuple[str, dict[str, Any], str, int]] = {
-    "mamba2": ("Mamba2Config", {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 1,
-                                "chunk_size": 16, "expand": 2, "conv_kernel": 4}, "Mamba2Mixer", 2),
-    "bamba": ("BambaConfig", {**_SSM_MAMBA2, "attn_layer_indices": [1], "attn_implementation": "sdpa"},
-              "BambaMixer", 1),
-    "granitemoehybrid": ("GraniteMoeHybridConfig", {**_SSM_MAMBA2, "layer_types": ["mamba", "attention"],
-                                                    "num_local_experts": 2, "num_experts_per_tok": 1,
-                                                    "attn_implementation": "sdpa"},
-                         "GraniteMoeHybridMambaLayer", 1),
-    "zamba2": ("Zamba2Config", {"layers_block_type": ["mamba", "hybrid"], "mamba_d_state": 16,
-                                "mamba_headdim": 16, "n_mamba_heads": 8, "mamba_ngroups": 1,
-                                "chunk_size": 16, "attn_implementation": "sdpa"}, "Zamba2MambaMixer", 2),
-    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"], "attn_implementation": "sdpa"},
-             "Lfm2ShortConv", 0),
-}
 
 
 class _BatchFirstLM(torch.nn.Module):
@@ -449,12 +454,7 @@ def test_a_state_space_or_short_conv_mixer_is_one_break(family: str) -> None:
     ops must break (4-7 breaks per layer before), else in graphs. Logits equal eager at a bucket, a
     bucket + 1, below and above the cap."""
     class_name, fields, mixer, mixer_breaks = _SSM_FAMILIES[family]
-    if getattr(transformers, class_name, None) is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
-    config = getattr(transformers, class_name)(**{**_SSM_BASE, **fields})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = _BatchFirstLM(transformers.AutoModelForCausalLM.from_config(config).eval())
+    model = _BatchFirstLM(_from_config(class_name, **_SMALL, **fields))
     compiled = torch.compile(model, backend="pp_breakable", options=OPTIONS)
     with torch.inference_mode():
         for n in (8, 9, 3, 20):
@@ -487,13 +487,8 @@ class _StatesOut(torch.nn.Module):
 def test_the_states_a_mixer_writes_for_decode_equal_eager() -> None:
     """The conv and SSM states a Mamba-2 mixer leaves for decode never see padded rows: the mixer runs
     on the live rows (one break), so on the graph path they equal eager's at every count."""
-    if getattr(transformers, "Mamba2Config", None) is None:
-        pytest.skip(f"transformers {transformers.__version__} has no Mamba2Config")
     class_name, fields, _, _ = _SSM_FAMILIES["mamba2"]
-    config = getattr(transformers, class_name)(**{**_SSM_BASE, **fields})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = _StatesOut(transformers.AutoModelForCausalLM.from_config(config).eval(), 2)
+    model = _StatesOut(_from_config(class_name, **_SMALL, **fields), 2)
     compiled = torch.compile(model, backend="pp_breakable", options=OPTIONS)
     with torch.inference_mode():
         for n in (8, 9, 3, 16, 5):
