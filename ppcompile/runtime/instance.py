@@ -60,6 +60,7 @@ class StageInstance:
         self._instrumented: dict[int, tuple[Wrap, GraphPath]] = {}
         self.failed: str | None = None  # capture="all": graphs are off for this instance
         self.failed_buckets: dict[int, str] = {}  # capture="lazy": buckets that run eagerly
+        self.failed_at: int | None = None  # the bucket the last capture run failed at
         # Held for the duration of a graph-path call: a second concurrent entry raises, never waits.
         self.lock = threading.Lock()
         self.owner = 0  # thread ident of the call holding ``lock``
@@ -153,8 +154,9 @@ class StageInstance:
                 observer: CaptureObserver, budget_s: float | None = None) -> CaptureRecord:
         """Captures each graph segment at each of ``buckets`` in order (all, or until ``budget_s`` is
         spent after the first), filling ``tables``; returns the run's record, and raises on the first
-        failure (after appending the failed run's record to ``runs``). ``env``: the call's symbols (the
-        token symbol is set per bucket); ``observer`` hears about the run (``observer.py``)."""
+        failure (after appending the failed run's record to ``runs``; ``failed_at`` names its bucket,
+        the buckets before it keep their graphs). ``env``: the call's symbols (the token symbol is set
+        per bucket); ``observer`` hears about the run (``observer.py``)."""
         compiled = self._compiled
         graph_steps = compiled.program.graph_steps
         start = time.perf_counter()
@@ -167,7 +169,9 @@ class StageInstance:
                     if self.tables and budget_s is not None and self._agreement.any(
                             time.perf_counter() - start > budget_s):
                         break
+                    self.failed_at = b
                     self.tables[b] = self._capture_bucket(args, env, b, graph_steps)
+                    self.failed_at = None
                     self.storages = None  # static memory grew: the aliased-input check recomputes it
                     run.bucket_done(meter.bucket_done(b, self.tables[b]))
         except BaseException as e:

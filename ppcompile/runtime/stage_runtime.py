@@ -372,15 +372,16 @@ class StageRuntime(StageInspection):
         try:
             state.capture(args, self._env(args, n), order, self._observer, budget)
         except Exception as e:
-            state.failed_buckets[b] = f"{type(e).__name__}: {e}"
-            state.executor.forget(b)
-            what = (f"capture of bucket {b} failed, so the forwards it would serve run eagerly (the other "
-                    f"buckets keep their graphs): {state.failed_buckets[b]}")
+            failed = b if state.failed_at is None else state.failed_at  # a budget may go on past b
+            state.failed_buckets[failed] = f"{type(e).__name__}: {e}"
+            state.executor.forget(failed)
+            what = (f"capture of bucket {failed} failed, so the forwards it would serve run eagerly (the "
+                    f"other buckets keep their graphs): {state.failed_buckets[failed]}")
             if BUCKET_CAPTURE_FAILED in self._fall_offs:
                 log.info("%s: %s", self.name, what)
             self.note_fall_off(BUCKET_CAPTURE_FAILED, f"{what}; fix the op the error names, or make it a "
                                "break (split_ops)")
-            return False
+            return b in state.tables
         return True
 
     def bucket_values(self) -> list[int]:

@@ -675,6 +675,32 @@ def test_a_failed_lazy_capture_leaves_the_other_buckets_serving(
     assert counters.fall_offs == {"bucket capture failed": 1}
 
 
+def test_a_budgeted_capture_failing_at_another_bucket_keeps_the_requested_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A capture budget captures the needed bucket, then others: when a later one fails, only that one
+    runs eagerly; the needed bucket, captured fine, replays (it was marked failed and forgotten while
+    its table stayed)."""
+    m = Stage()
+    c = _compile(m, capture="lazy", capture_budget_s=60.0)
+    original = EmulatedGraphExecutor.capture
+
+    def fail_at_16(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+        if key[1] == 16:
+            raise RuntimeError("no memory for bucket 16")
+        return original(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_at_16)
+    with counters.expect(replays=1, eager_runs=0, fall_offs={"bucket capture failed": 1}):
+        _check(c, m, 6)  # bucket 8 first, then the budget goes on to 16 (fails) and 4
+    for n, replays in ((7, 1), (12, 0), (3, 1)):
+        with counters.expect(replays=replays, eager_runs=1 - replays):
+            _check(c, m, n)
+    (state,) = _runtime().instances()
+    assert 8 in state.captured_buckets and 16 not in state.captured_buckets
+    assert list(state.failed_buckets) == [16]
+
+
 def test_instrumented_wraps_replays_breaks_and_copy_in_only_inside_the_block() -> None:
     m = Stage()
     c = _compile(m)
