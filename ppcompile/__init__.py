@@ -18,6 +18,7 @@ from ppcompile.proxy import PPProxyTensors
 from ppcompile.regions import eager_region, token_local
 from ppcompile.runtime.executors import ReplayAddressError
 from ppcompile.runtime.fences import fence_outputs
+from ppcompile.runtime.group_agreement import GroupCaptureError, GroupDivergenceError
 from ppcompile.runtime.stage_runtime import ConcurrentCallError
 from ppcompile.runtime.stale_outputs import StaleOutputError
 from ppcompile.runtime.validation import InputMismatchError
@@ -26,6 +27,8 @@ from ppcompile.traffic import TokenHistogram, token_histogram
 
 __all__ = [
     "ConcurrentCallError",
+    "GroupCaptureError",
+    "GroupDivergenceError",
     "InputMismatchError",
     "PPBreakableConfig",
     "PPProxyTensors",
