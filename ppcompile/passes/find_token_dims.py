@@ -71,9 +71,9 @@ def _pick_token_symbol(
 
     Tokens are packed along the leading dim (``[T]``, ``[T, H]``): the bare symbol most often found as
     a live tensor input's leading dim wins. Failing that, the ``[1, T, ...]`` layout of batch-first
-    model code: the bare symbol most often found as dim 1 of a live input whose dim 0 is 1 (inputs
-    marked one by one may carry different symbols; the others stay inputs with a dynamic size of their
-    own; a ``[1, H]`` input with a fixed width does not vote). Anything else (say a
+    model code, when dim 1 of every live input whose dim 0 is 1 is a bare symbol: the most common of
+    them (inputs marked one by one may carry different symbols; the others stay inputs with a dynamic
+    size of their own). Anything else (say a
     top-k width that stayed dynamic while a 1-token batch pinned the token dim to 1) is not the
     token count: the graph is then treated as having concrete token sizes.
     """
@@ -91,11 +91,11 @@ def _pick_token_symbol(
     if votes:
         symbol = max(votes, key=lambda s: (votes[s], -first[s][0]))
         return symbol, first[symbol]
-    for i, exprs in tensors:
-        if len(exprs) > 1 and exprs[0] == 1 and isinstance(exprs[1], sympy.Symbol):
+    batch_first = [(i, exprs) for i, exprs in tensors if len(exprs) > 1 and exprs[0] == 1]
+    if batch_first and all(isinstance(exprs[1], sympy.Symbol) for _, exprs in batch_first):
+        for i, exprs in batch_first:  # the most common symbol, the first input's on a tie
             votes[exprs[1]] += 1
             first.setdefault(exprs[1], (i, 1))
-    if votes:  # the most common, the first input's on a tie
         symbol = max(votes, key=lambda s: (votes[s], -first[s][0]))
         return symbol, first[symbol]
     return None, None

@@ -120,17 +120,26 @@ def test_most_voted_leading_symbol_wins() -> None:
 
 def test_batch_first_inputs_marked_one_by_one_vote_for_the_token_symbol() -> None:
     """``[1, T]`` ids and ``[1, T]`` positions marked separately get two symbols when the model never
-    relates them (no rotary embedding, as in Jamba); a ``[1, 8]`` input of fixed width does not vote.
-    The ids' symbol wins the tie (the first input); before, no token symbol was found and the stage
-    ran eagerly at every count."""
+    relates them (no rotary embedding, as in Jamba): the ids' symbol wins the tie (the first input);
+    before, no token symbol was found and the stage ran eagerly at every count. A ``[1, 8]`` input of
+    fixed width beside them means dim 0 may be a 1-token batch instead (a dynamic top-k width at dim
+    1 is no token count): no token symbol then."""
 
-    def stage(ids: torch.Tensor, pos: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def stage(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return ids.float() * 2 + pos.float().mean()
+
+    def with_width(ids: torch.Tensor, pos: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return (ids.float()[..., None] * scale[:, None]).sum(-1) + pos.float().mean()
 
-    ids, pos, scale = torch.ones(1, 6, dtype=torch.long), torch.arange(5)[None], torch.ones(1, 8)
-    torch._dynamo.mark_dynamic(ids, 1)
-    torch._dynamo.mark_dynamic(pos, 1)
-    gm, ctx = _run(stage, ids, pos, scale, dynamic=False)
+    def marked() -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos = torch.ones(1, 6, dtype=torch.long), torch.arange(5)[None]
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(pos, 1)
+        return ids, pos
+
+    gm, ctx = _run(stage, *marked(), dynamic=False)
     ids_node = next(n for n in gm.graph.find_nodes(op="placeholder") if "ids" in n.name)
     assert ctx.token_symbol is not None and ctx.token_input is not None and ctx.token_input[1] == 1
     assert TOKEN_DIMS.get(ids_node) == ((1, ctx.token_symbol),)
+    _, ctx = _run(with_width, *marked(), torch.ones(1, 8), dynamic=False)
+    assert ctx.token_symbol is None
