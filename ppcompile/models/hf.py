@@ -83,6 +83,12 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                                  "attn_implementation": "eager"}),
     # Hybrid: gated DeltaNet linear attention and full attention layers, alternating.
+    # Hybrid: a Mamba-2 mixer (HF's torch chunked scan, a library region) and a full attention layer. The
+    # scan's chunk size stays HF's (256): counts in one chunk-size class share a stage graph.
+    "bamba": ("BambaConfig", {
+        "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
+        "mamba_expand": 2, "attn_layer_indices": [1],
+    }),
     "qwen3_next": ("Qwen3NextConfig", {
         **_MOE_SHAPE, "shared_expert_intermediate_size": 64, "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
@@ -198,15 +204,23 @@ def _decoder(model: nn.Module) -> Any:
             f"HFStage: {type(model).__name__} has no base model; pass a transformers *ForCausalLM model "
             "(AutoModelForCausalLM.from_config or from_pretrained)"
         )
-    missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, a)]
+    missing = [a for a in ("embed_tokens", "layers", "rotary_emb") if not hasattr(base, a)]
+    missing += [] if _final_norm(base) is not None else ["norm"]
     missing += [] if hasattr(model, "lm_head") else ["lm_head"]
     if missing:
         raise TypeError(
             f"HFStage: {type(model).__name__} lacks the Llama-style layout this wrapper needs (missing "
-            f"{missing}); supported models keep embed_tokens, layers, norm and rotary_emb on the base "
-            "model and lm_head on the LM (Llama, Mistral, Qwen2/3, Qwen2-MoE, Mixtral, Qwen3-MoE)"
+            f"{missing}); supported models keep embed_tokens, layers, norm (or final_layernorm) and "
+            "rotary_emb on the base model and lm_head on the LM (Llama, Mistral, Qwen2/3, Qwen2-MoE, "
+            "Mixtral, Qwen3-MoE, Bamba)"
         )
     return base
+
+
+def _final_norm(base: nn.Module) -> nn.Module | None:
+    """The base model's final norm: ``norm`` (Llama style) or ``final_layernorm`` (Bamba)."""
+    norm = getattr(base, "norm", None) or getattr(base, "final_layernorm", None)
+    return norm if isinstance(norm, nn.Module) else None
 
 
 # ------------------------------------------------------------------------------------------ stage
@@ -266,7 +280,7 @@ class HFStage(nn.Module):
             for i in range(start, end):
                 _declare_regions(base.layers[i])
         self.rotary_emb: nn.Module = base.rotary_emb
-        self.norm: nn.Module | None = base.norm if is_last else None
+        self.norm: nn.Module | None = _final_norm(base) if is_last else None
         head: Any = model.lm_head
         self.lm_head: nn.Module | None = head if is_last else None
 
@@ -293,7 +307,10 @@ class HFStage(nn.Module):
     ) -> torch.Tensor | PPProxyTensors:
         """``input_ids``/``positions``: int64 ``[T]``; proxies: ``hidden_states [T, hidden]``."""
         hidden = self._hidden_in(input_ids, pp_proxy_tensors).unsqueeze(0)  # [1, T, H]: HF is batch-first
-        position_ids = positions.unsqueeze(0)
+        # Linear-attention and Mamba layers take no positions: a stage of only those leaves them out (they
+        # would be a size of their own there, tied to no token-major tensor, and break as such).
+        rotary = any(kind != "linear_attention" for kind in self.layer_types)
+        position_ids = positions.unsqueeze(0) if rotary or self.varlen else None
         # One sequence: no position_ids, else HF traces its packed-sequence detection (a diff and a
         # cumsum over tokens) and a materialised [T, T] mask into the graph.
         mask_positions = position_ids if self.varlen else None
@@ -301,7 +318,7 @@ class HFStage(nn.Module):
             kind: _build_mask(kind, self.config, hidden, mask_positions)
             for kind in sorted(set(self.layer_types))
         }
-        position_embeddings = self.rotary_emb(hidden, position_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids) if rotary else None
         call = _layer_region if self.compile_regions else _run_layer
         for i, kind in zip(range(self.start_layer, self.end_layer), self.layer_types):
             hidden = call(self.layers[i], hidden, masks[kind], position_ids, position_embeddings)
@@ -311,7 +328,8 @@ class HFStage(nn.Module):
 
 
 def _run_layer(
-    layer: nn.Module, hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor, position_embeddings: Any
+    layer: nn.Module, hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor | None,
+    position_embeddings: Any,
 ) -> torch.Tensor:
     out = layer(hidden, attention_mask=mask, position_ids=position_ids,
                 position_embeddings=position_embeddings)

@@ -27,7 +27,8 @@ SIZES = [4, 8, 16]
 OPTIONS = {"capture_sizes": SIZES, "graph_mode": "emulate"}  # the graph path ("auto" is live-size on CPU)
 MOE = ("qwen2_moe", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 EAGER_ATTENTION = ("gpt_oss",)  # transformers has no SDPA path for it: attention in plain ops
-HYBRID = ("qwen3_next",)  # with 2 layers: stage 0 is linear attention, stage 1 full attention
+HYBRID = ("qwen3_next", "bamba")  # 2 layers: stage 0 is linear attention or Mamba-2, stage 1 full attention
+MIXERS = {"qwen3_next": "Qwen3NextGatedDeltaNet", "bamba": "BambaMixer"}  # stage 0's one break
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +153,7 @@ def test_stages_match_eager_and_follow_the_bucket_plan(
             # The gated DeltaNet layer is one library region: one break, its chunked scan included.
             linear_attention = family in HYBRID and not layers
             assert kinds == ([BreakKind.UNSAFE_OP] if linear_attention else []), rt.describe()
-            assert not linear_attention or "Qwen3NextGatedDeltaNet" in rt.break_reasons[0].op
+            assert not linear_attention or MIXERS[family] in rt.break_reasons[0].op
         if family in MOE:
             assert any(s.token_local_regions for s in rt.segments), rt.describe()
 
