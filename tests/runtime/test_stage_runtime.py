@@ -648,20 +648,25 @@ def test_a_tiny_capture_budget_captures_the_needed_bucket_only() -> None:
     assert _runtime().captured_buckets() == {0: (8,)}
 
 
+def _fail_capture_at(bucket: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the emulated executor fails every capture at ``bucket`` ("no memory")."""
+    original = EmulatedGraphExecutor.capture
+
+    def fail(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+        if key[1] == bucket:
+            raise RuntimeError(f"no memory for bucket {bucket}")
+        return original(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail)
+
+
 def test_a_failed_lazy_capture_leaves_the_other_buckets_serving(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     m = Stage()
     c = _compile(m, capture="lazy")
     _check(c, m, 6)
-    original = EmulatedGraphExecutor.capture
-
-    def fail_at_16(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
-        if key[1] == 16:
-            raise RuntimeError("no memory for bucket 16")
-        return original(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_at_16)
+    _fail_capture_at(16, monkeypatch)
     for _ in range(2):
         with counters.expect(replays=0, eager_runs=1):
             _check(c, m, 12)
@@ -683,14 +688,7 @@ def test_a_budgeted_capture_failing_at_another_bucket_keeps_the_requested_one(
     its table stayed)."""
     m = Stage()
     c = _compile(m, capture="lazy", capture_budget_s=60.0)
-    original = EmulatedGraphExecutor.capture
-
-    def fail_at_16(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
-        if key[1] == 16:
-            raise RuntimeError("no memory for bucket 16")
-        return original(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_at_16)
+    _fail_capture_at(16, monkeypatch)
     with counters.expect(replays=1, eager_runs=0, fall_offs={"bucket capture failed": 1}):
         _check(c, m, 6)  # bucket 8 first, then the budget goes on to 16 (fails) and 4
     for n, replays in ((7, 1), (12, 0), (3, 1)):
