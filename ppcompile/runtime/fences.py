@@ -40,13 +40,16 @@ class _Waitable(Protocol):
 Fence = torch.cuda.Event | _Waitable | Callable[[], Any]
 
 
-
-def _kind(fence: object) -> str | None:
+def _kind(fence: object) -> str:
+    """``"event"``, ``"work"`` or ``"callable"``; anything else raises."""
     if isinstance(fence, torch.cuda.Event):
         return "event"
     if hasattr(fence, "wait"):
         return "work"
-    return "callable" if callable(fence) else None
+    if callable(fence):
+        return "callable"
+    raise TypeError(f"fence_outputs: a fence is a torch.cuda.Event, an object with wait() (a "
+                    f"torch.distributed.Work) or a callable, got {type(fence).__name__}")
 
 
 def wait_fence(fence: Fence) -> None:
@@ -56,11 +59,8 @@ def wait_fence(fence: Fence) -> None:
         torch.cuda.current_stream().wait_event(fence)  # type: ignore[arg-type]
     elif kind == "work":
         fence.wait()  # type: ignore[union-attr]
-    elif kind == "callable":
-        fence()  # type: ignore[operator]
     else:
-        raise TypeError(f"a fence is a torch.cuda.Event, an object with wait() (a torch.distributed.Work) "
-                        f"or a callable, got {type(fence).__name__}")
+        fence()  # type: ignore[operator]
     counters.fence_waits[kind] += 1
 
 
@@ -104,9 +104,7 @@ def fence_outputs(outputs: Any, *fences: Fence) -> int:
     if not fences:
         raise ValueError("fence_outputs: give at least one fence (an event, a Work or a callable)")
     for fence in fences:
-        if _kind(fence) is None:
-            raise TypeError(f"fence_outputs: a fence is a torch.cuda.Event, an object with wait() (a "
-                            f"torch.distributed.Work) or a callable, got {type(fence).__name__}")
+        _kind(fence)  # refuses what is no fence before any slot holds it
     found = _slots_of(tree_leaves(outputs))
     for slot in found:
         slot.fences.extend(fences)
