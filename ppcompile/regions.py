@@ -144,7 +144,8 @@ def library_functions() -> dict[tuple[str, str], str]:
     for module_name, (names, label) in LIBRARY_REGIONS.items():
         module = sys.modules.get(module_name)
         for name in names if module is not None else ():
-            code = getattr(inspect.unwrap(getattr(module, name, None) or (lambda: None)), "__code__", None)
+            function = getattr(module, name, None)
+            code = getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
             if code is not None and code.co_name == name:
                 found[(code.co_filename, name)] = label
     return found
