@@ -26,7 +26,7 @@ BUCKET_CAPTURE_FAILED = "bucket capture failed"  # capture="lazy": that bucket r
 RECOMPILE_LIMIT = "recompile limit"  # Dynamo's next recompile of the frame runs it uncompiled
 FALL_OFF_CAUSES = (NEVER_GRAPHS, CAPTURE_FAILED, BUCKET_CAPTURE_FAILED, RECOMPILE_LIMIT)
 
-log = logging.getLogger("ppcompile.runtime.stage_runtime")
+log = logging.getLogger(__name__)
 
 # (Dynamo generation, frame, module, cause) already announced.
 _ANNOUNCED: set[tuple[int, int, int, str]] = set()
