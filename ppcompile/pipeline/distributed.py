@@ -336,10 +336,6 @@ class DistributedStage:
             buf = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf
 
-    def send_buffer_bytes(self) -> int:
-        """Bytes held by the ring of send buffers (``"ring"`` and ``"wait"``; 0 before the first send)."""
-        return sum(b.numel() for b in self._buffers if b is not None)
-
     def _isend(self, t: torch.Tensor, kind: str) -> None:
         work = dist.isend(t, group=self.group, group_dst=self.rank + 1)
         self.p2p_calls[kind] += 1
