@@ -12,6 +12,7 @@ from ppcompile.backends.pp_breakable import pp_breakable, runtimes_of, stage_run
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.dynamic import mark_token_dynamic
+from ppcompile.layer_regions import layer_region_plans, trace_layers_once
 from ppcompile.passes.check_padding_safety import PaddingSafetyError
 from ppcompile.planning import plan_buckets
 from ppcompile.proxy import PPProxyTensors
@@ -39,6 +40,7 @@ __all__ = [
     "counters",
     "eager_region",
     "fence_outputs",
+    "layer_region_plans",
     "mark_token_dynamic",
     "plan_buckets",
     "pp_breakable",
@@ -48,6 +50,7 @@ __all__ = [
     "stage_runtimes",
     "token_histogram",
     "token_local",
+    "trace_layers_once",
 ]
 __version__ = "0.1.0"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -24,12 +25,12 @@ from ppcompile.errors import add_note
 __all__ = [
     "C_SCALED_DOT_PRODUCT_ATTENTION", "OpOverload", "OpOverloadPacket", "TorchInternalsError",
     "compile_id", "cuda_graph_capture", "current_shape_env", "custom_op_implementation", "custom_op_module",
-    "data_dependent_errors", "dynamo_compile_start_ns", "dynamo_generation",
+    "data_dependent_errors", "dynamo_compile_start_ns", "dynamo_generation", "every_dim_dynamic",
     "floats_specialized", "frame_compile_index", "frame_id",
     "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol",
-    "last_guard_failure", "mark_dynamic",
-    "raise_recompile_limit", "recompile_limit", "register_backend", "reset_dynamo", "resolve_process_group",
-    "restart_analysis",
+    "last_guard_failure", "mark_dynamic", "nested_compile_region",
+    "raise_recompile_limit", "recompile_limit", "region_traces_reused", "register_backend", "reset_dynamo",
+    "resolve_process_group", "restart_analysis",
     "restart_with_floats_specialized", "shape_env_facts", "shape_env_guards", "shape_env_hints",
     "static_fake_mode", "storage_from_data_pointer", "symint_shape_env", "sympy_interp_logger_name",
     "sympy_interp_python", "trace_artifact", "tracing_context", "tree_leaves", "without_dynamo_disable",
@@ -401,3 +402,25 @@ def trace_artifact(
     trace = _lookup("torch._logging", "trace_structured", "to emit TORCH_TRACE artifacts")
     trace("artifact", metadata_fn=metadata_fn, payload_fn=payload_fn, expect_trace_id=False,
           compile_id=compile_id)
+
+
+def nested_compile_region(fn: Callable[..., Any], max_traces: int) -> Callable[..., Any]:
+    """``torch.compiler.nested_compile_region(fn)``, allowing ``max_traces`` traces of it where this torch
+    caps them (it raises past the cap; torch 2.11 has no cap and reuses no trace)."""
+    region = torch.compiler.nested_compile_region
+    if region_traces_reused():
+        return region(fn, max_reuse_entries=max(8, max_traces))
+    return region(fn)
+
+
+def region_traces_reused() -> bool:
+    """Whether Dynamo stamps a nested compile region's first trace out for later calls (torch 2.13)
+    rather than tracing every call and sharing only identical subgraphs (torch 2.11)."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region is not None and "max_reuse_entries" in inspect.signature(region).parameters
+
+
+def every_dim_dynamic() -> bool:
+    """Whether Dynamo is tracing with every dim dynamic (``torch.compile(dynamic=True)``): nested compile
+    regions then fail in torch 2.13 (a fixed size handed to the region as a symbol, ``KeyError``)."""
+    return not torch._dynamo.config.assume_static_by_default  # read inside a trace: no lookup helper

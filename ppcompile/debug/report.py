@@ -259,6 +259,8 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
             "captured": bool(records),
         },
         "memory": memory_section(runtime, buffers, memory, records),
+        "region_traces": {"calls": sum(record.region_traces.values()),
+                          "subgraphs": len(record.region_traces), "by_subgraph": dict(record.region_traces)},
         "pass_times_ms": {k: round(1e3 * v, 3) for k, v in record.pass_times.items()},
         "compile_times_s": {k: round(v, 4) for k, v in record.compile_times.items()},
         "segment_compiles": [dataclasses.asdict(r) for r in record.segment_compiles],

@@ -164,5 +164,6 @@ def lower_stage(
             compile_id=compile_id,
             frame_compile=frame_compile,
             recompile_limit=recompile_limit,
+            region_traces=types.MappingProxyType(dict(ctx.region_traces)),
         ),
     )

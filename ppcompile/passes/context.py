@@ -35,8 +35,9 @@ class StaticInputPlan:
 class PassContext:
     """Facts established by the passes, in the order they run.
 
-    ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input`` and ``token_guards``;
-    ``find_declared_regions`` fills ``token_local_regions``; ``find_collectives`` fills ``collectives``;
+    ``inline_nested_regions`` fills ``region_traces``; ``find_token_dims`` fills ``token_symbol``,
+    ``input_kinds``, ``token_input`` and ``token_guards``; ``find_declared_regions`` fills
+    ``token_local_regions``; ``find_collectives`` fills ``collectives``;
     ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``lift_static_inputs`` fills
     ``static_inputs``. Facts about single nodes (token dims, break verdicts, segments, static buffers and
     bridges) live on the nodes: ``analysis.node_facts`` (``segments(split)`` lists the segments).
@@ -58,6 +59,7 @@ class PassContext:
     eligible: bool = True
     ineligible_reason: str | None = None
     static_inputs: list[StaticInputPlan] = dataclasses.field(default_factory=list)
+    region_traces: dict[str, int] = dataclasses.field(default_factory=dict)  # subgraph -> calls it served
     pass_times: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property

@@ -6,7 +6,12 @@ N identical layers whose attention-free parts are marked is traced in about the 
 N. The other passes reason about single ops (token dims, padding safety, where to break), so this pass
 puts each call's ops back into the stage graph, wired to that call's operands (its own layer's
 weights). The subgraph's traced values come along, so every later pass sees what a flat trace gives.
-Regions inside regions are inlined too.
+Regions inside regions are inlined too. Each copy's module stack (``meta["nn_module_stack"]``) names
+its own call's module, not the module of the call the subgraph was traced for, so passes that name
+regions by module path (``find_declared_regions``) tell the layers apart. The copies that
+``ppcompile.trace_layers_once`` puts around a region (``ppcompile::region_copy`` on its inputs and
+outputs, ``ppcompile::region_write_back`` after it: a region may not alias) are dropped, so the graph
+aliases and writes in place as the model does.
 
 Before::
 
@@ -20,6 +25,8 @@ After::
 
     linear = torch._C._nn.linear(l_hidden_, l_w2_);  relu = torch.relu(linear)
     linear_1 = torch._C._nn.linear(relu, l_w3_);  relu_1 = torch.relu(linear_1)
+
+``ctx.region_traces`` records, per subgraph, how many calls it served (here ``{"subgraph_0": 2}``).
 """
 
 from __future__ import annotations
@@ -30,11 +37,15 @@ from typing import Any
 
 import torch
 
+from ppcompile.layer_regions import region_copy, region_write_back
 from ppcompile.passes.context import PassContext, PassResult
 
 __all__ = ["inline_nested_regions"]
 
 log = logging.getLogger(__name__)
+
+_REGION_COPY = region_copy._opoverload
+_REGION_WRITE_BACK = region_write_back._opoverload
 
 
 def _invoke_subgraph() -> Any:
@@ -68,10 +79,32 @@ def _lift_attr(gm: torch.fx.GraphModule, value: Any, lifted: dict[int, str]) -> 
     return name
 
 
+def _innermost_path(node: torch.fx.Node) -> str | None:
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    entry = stack[-1] if stack else None
+    return str(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
+
+
+def _restacked(meta: dict[str, Any], traced_at: str | None, called_at: str | None) -> dict[str, Any]:
+    """``meta`` with the module paths under ``traced_at`` (the call the subgraph was traced for) moved
+    under ``called_at`` (this call)."""
+    stack = meta.get("nn_module_stack")
+    if not stack or traced_at is None or called_at is None or traced_at == called_at:
+        return meta
+    moved = {}
+    for key, entry in stack.items():
+        if isinstance(entry, tuple) and len(entry) == 2 and str(entry[0]).startswith(traced_at):
+            entry = (called_at + str(entry[0])[len(traced_at):], entry[1])
+        moved[key] = entry
+    return {**meta, "nn_module_stack": moved}
+
+
 def _inline_call(
-    gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphModule, lifted: dict[int, str]
+    gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphModule, lifted: dict[int, str],
+    traced_at: str | None,
 ) -> None:
     graph = gm.graph
+    called_at = _innermost_path(node)
     env: dict[torch.fx.Node, Any] = {}
     placeholders = list(sub.graph.find_nodes(op="placeholder"))
     operands = node.args[2:]  # (subgraph, identifier, *operands); older torch: one operands tuple
@@ -97,7 +130,11 @@ def _inline_call(
                 copied.meta = dict(sn.meta)
                 env[sn] = copied
                 continue
+            if sn.op == "call_function" and sn.target is _REGION_COPY:  # a copy for Dynamo only
+                env[sn] = env[sn.args[0]]
+                continue
             env[sn] = graph.node_copy(sn, lambda n: env[n])
+            env[sn].meta = _restacked(dict(sn.meta), traced_at, called_at)
     outs = [env[r] if isinstance(r, torch.fx.Node) else r for r in results]
     for user in list(node.users):
         if user.op != "call_function" or user.target is not operator.getitem:
@@ -113,15 +150,25 @@ def inline_nested_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
     hop = _invoke_subgraph()
     if hop is None:
         return PassResult(gm, modified=False)
-    calls = 0
+    calls: dict[str, int] = {}
+    traced_at: dict[int, str | None] = {}  # subgraph -> the module path of its first call
     lifted: dict[int, str] = {}
     while True:  # an inlined region may hold calls of inner regions: inline until none is left
         pending = list(gm.graph.find_nodes(op="call_function", target=hop))
         if not pending:
             break
         for node in pending:
-            _inline_call(gm, node, _subgraph_of(gm, node), lifted)
-            calls += 1
+            sub = _subgraph_of(gm, node)
+            origin = traced_at.setdefault(id(sub), _innermost_path(node))
+            _inline_call(gm, node, sub, lifted, origin)
+            name = str(node.args[1])
+            calls[name] = calls.get(name, 0) + 1
+    for stray in list(gm.graph.find_nodes(op="call_function", target=_REGION_COPY)):
+        stray.replace_all_uses_with(stray.args[0])
+        gm.graph.erase_node(stray)
+    for write_back in list(gm.graph.find_nodes(op="call_function", target=_REGION_WRITE_BACK)):
+        gm.graph.erase_node(write_back)
+    ctx.region_traces = calls
     if not calls:
         return PassResult(gm, modified=False)
     for ref in list(gm.graph.find_nodes(op="get_attr")):
@@ -133,5 +180,6 @@ def inline_nested_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
             delattr(gm, name)
     gm.graph.lint()
     gm.recompile()
-    log.debug("%s: inlined %d nested compile region call(s)", ctx.graph_name, calls)
+    log.debug("%s: inlined %d nested compile region call(s) of %d subgraph(s)", ctx.graph_name,
+              sum(calls.values()), len(calls))
     return PassResult(gm, modified=True)

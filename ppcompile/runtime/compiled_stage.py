@@ -19,6 +19,7 @@ from ppcompile.runtime.validation import InputSpec
 __all__ = ["CompileRecord", "CompiledStage"]
 
 
+_EMPTY_COUNTS: Mapping[str, int] = types.MappingProxyType({})
 _EMPTY: Mapping[str, float] = types.MappingProxyType({})
 
 
@@ -42,6 +43,9 @@ class CompileRecord:
     module: int | None = None
     recompile_of: str | None = None
     recompile_reason: str | None = None  # the guards that failed, with the source lines that added them
+    # Nested compile regions (``trace_layers_once``): subgraph -> the calls it served. Fewer subgraphs
+    # than calls is what tracing once saved; one subgraph per call means torch traced every call.
+    region_traces: Mapping[str, int] = dataclasses.field(default_factory=lambda: _EMPTY_COUNTS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,6 +127,9 @@ class StageInspection:
             lines.append("  recompiled: these guards failed, each with the source line that added it (the "
                          "counts it tells apart get stage graphs of their own):")
             lines += [f"    {line}" for line in c.record.recompile_reason.splitlines()]
+        if c.record.region_traces:
+            lines.append(f"  nested regions: {sum(c.record.region_traces.values())} calls served by "
+                         f"{len(c.record.region_traces)} traced subgraph(s)")
         if c.eager_reason:
             lines.append(f"  always eager: {c.eager_reason}")
         for cause, message in self.fall_offs().items():
