@@ -138,10 +138,13 @@ def _attend_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     groups = q.shape[1] // k.shape[1]
     start = 0
     for n in ctx.seq_lens:
-        qs = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-        ks = k[start : start + n].repeat_interleave(groups, dim=1).transpose(0, 1)
-        vs = v[start : start + n].repeat_interleave(groups, dim=1).transpose(0, 1)
-        out[start : start + n] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+        # [1, Hq, n, D]: SDPA's fused kernels (flash, memory-efficient) take 4-D inputs only; 3-D ones fall
+        # back to the math kernel, which materialises the n x n scores.
+        qs = q[start : start + n].transpose(0, 1).unsqueeze(0)
+        ks = k[start : start + n].repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0)
+        vs = v[start : start + n].repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0)
+        attended = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        out[start : start + n] = attended.squeeze(0).transpose(0, 1)
         start += n
 
 

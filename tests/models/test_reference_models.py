@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 from torch import fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ppcompile.models import (
     REFERENCE_CONFIGS,
@@ -201,6 +202,19 @@ def test_attention_op_writes_kv_cache() -> None:
     assert not ctx.kv_caches[3][5:].any()
     # the first token of each sequence attends only to itself: output = its (GQA-repeated) value
     torch.testing.assert_close(out[2], v[2].repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 0))
+
+
+def test_attention_runs_on_a_fused_sdpa_kernel() -> None:
+    """Restricted to the flash kernel (CPU has one too), the op still runs: its SDPA inputs have the 4-D shape
+    every fused kernel needs. 3-D inputs would fall back to the math kernel (n x n scores) on a GPU."""
+    cfg = DENSE
+    q = torch.randn(5, cfg.num_heads, cfg.head_dim)
+    k, v = torch.randn(2, 5, cfg.num_kv_heads, cfg.head_dim)
+    with set_forward_context(make_forward_context([2, 3], cfg, [3], num_slots=8)):
+        want = torch.ops.ppcompile.attention(q, k, v, 3)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            got = torch.ops.ppcompile.attention(q, k, v, 3)
+    torch.testing.assert_close(got, want)
 
 
 def test_attention_with_output_writes_what_attention_returns() -> None:
