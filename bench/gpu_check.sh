@@ -35,12 +35,11 @@ cd "$(dirname "$0")/.."
 # ------------------------------------------------------------------------------------------ the plan
 BUDGET_S=480
 # Steps in the order they run, name=limit in seconds (each limit includes the step's torch start-up).
-# preflight and pytest_gpu each hold a one-rank NCCL group (init, warm-up, captures): +10 s and +15 s,
-# taken from throughput_profile and lazy_capture.
-# pp_streams (+25 s) took 5 s each from overhead, fold_segments, launches and fused_copy, and the last 5 s
-# of slack.
-PLAN=(preflight=40 pytest_gpu=145 throughput_profile=90 overhead=25 lazy_capture=35 fold_segments=20
-      launches=15 fused_copy=15 pp_streams=25)
+# Sized from the H200 runs of 2026-12-04 (cold caches; docs/benchmarks.md, "The GPU check"): preflight
+# 11 s, pytest_gpu 37, throughput_profile 74 (every path compiled under a 120 s limit), overhead 46,
+# lazy_capture 35, fold_segments 21, launches 17, fused_copy 16, pp_streams 23: 280 s of steps.
+PLAN=(preflight=25 pytest_gpu=50 throughput_profile=115 overhead=60 lazy_capture=45 fold_segments=30
+      launches=25 fused_copy=25 pp_streams=35)
 # Outside the steps, each under its own timeout: pip install -e ., the torch/CUDA probe, the render of
 # benchmarks.md, and the shell itself (nvidia-smi, copies).
 OVERHEAD=(pip=20 probe=20 render=25 shell=5)
