@@ -22,7 +22,7 @@ __all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PP
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
 """Last size where the seed engine change measured graphs ahead of eager on a PP stage."""
 
-DEFAULT_FOLD_GRAPH_OPS = 3
+DEFAULT_FOLD_GRAPH_OPS = 2
 """Graph segments between two breaks with at most this many ops that launch kernels are folded into one
 eager break (measured crossover: docs/benchmarks.md, "Folding tiny graph segments")."""
 
