@@ -1,14 +1,18 @@
 """Hugging Face ``transformers`` causal LMs as packed-token PP stages.
 
 ``HFStage(model, pp_rank, pp_size)`` runs layers ``[start, end)`` of a decoder-only ``transformers`` model
-(Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS, the hybrid Qwen3-Next,
-...) with the house stage contract::
+(the dense, MoE, state-space and hybrid families of ``TINY_FAMILIES``: Llama, Gemma 2/3, Cohere, Granite,
+Qwen3-MoE, DeepSeek-V3, GPT-OSS, Qwen3-Next, Mamba-2, Bamba, Falcon-H1, Zamba2, Jamba, LFM2, ...) with the
+house stage contract::
 
     forward(input_ids [T] | None, positions [T], pp_proxy_tensors) -> PPProxyTensors | logits [T, vocab]
 
-The first stage embeds ``input_ids``; later stages read the ``hidden_states`` proxy ``[T, hidden]``; the
-last applies the final norm and ``lm_head``. HF layers are batch-first, so the stage runs them on
-``[1, T, hidden]`` (unsqueeze at entry, squeeze at exit): proxies and logits stay packed, token-major.
+The first stage embeds ``input_ids`` (times the model's ``embedding_multiplier``, Granite and Falcon-H1);
+later stages read the ``hidden_states`` proxy ``[T, hidden]`` (Zamba2 also ``original_hidden_states``, the
+embeddings its shared attention blocks read); the last applies the final norm, ``lm_head`` and the
+model's logit scaling (Cohere, Granite, Falcon-H1, Gemma's softcap). HF layers are batch-first, so the
+stage runs them on ``[1, T, hidden]`` (unsqueeze at entry, squeeze at exit): proxies and logits stay
+packed, token-major. Each layer gets what HF's own model passes it, by its kind (``config.layer_types``).
 
 Attention is whatever the model's config selects. With ``attn_implementation="sdpa"`` each layer makes one
 ``scaled_dot_product_attention`` call (always a break in ``pp_breakable``). Masks come from
@@ -39,7 +43,6 @@ from ppcompile.proxy import PPProxyTensors
 from ppcompile.regions import eager_region, token_local
 
 try:
-    import transformers
     from transformers import masking_utils
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -47,107 +50,35 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "pip install 'ppcompile[hf]' (or pip install transformers)"
     ) from e
 
-__all__ = ["EAGER_CORES", "TINY_FAMILIES", "TOKEN_LOCAL_BLOCKS", "HFStage", "make_hf_stages",
+from ppcompile.models.hf_families import (
+    ATTENTION_KINDS,
+    EAGER_CORES,
+    LAYER_MASKS,
+    OPAQUE_MIXERS,
+    TINY_FAMILIES,
+    TOKEN_LOCAL_BLOCKS,
+    UNSUPPORTED,
+    layer_kind,
+    make_opaque,
+    tiny_causal_lm,
+    tiny_config,
+)
+
+__all__ = ["EAGER_CORES", "TINY_FAMILIES", "TOKEN_LOCAL_BLOCKS", "UNSUPPORTED", "HFStage", "make_hf_stages",
            "tiny_causal_lm", "tiny_config"]
 
 log = logging.getLogger(__name__)
 
-# Tiny shape shared by every family: 4 layers, GQA (4 query heads, 2 KV heads of dim 16).
-_TINY_SHAPE: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 256,
-    "max_position_embeddings": 4096,
-}
-_MOE_SHAPE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
-TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", {}),
-    "mistral": ("MistralConfig", {"sliding_window": None}),
-    "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", {}),
-    "qwen2_moe": ("Qwen2MoeConfig", {**_MOE_SHAPE, "shared_expert_intermediate_size": 64}),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3_moe": ("Qwen3MoeConfig", _MOE_SHAPE),
-    "deepseek_v3": ("DeepseekV3Config", {
-        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0, "kv_lora_rank": 32, "q_lora_rank": 32,
-        "num_key_value_heads": 4, "head_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
-        "v_head_dim": 16,
-    }),
-    # transformers has no SDPA path for GPT-OSS (attention sinks): its attention is written in plain ops.
-    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
-                                 "attn_implementation": "eager"}),
-    # Hybrid: gated DeltaNet linear attention and full attention layers, alternating.
-    # Hybrid: a Mamba-2 mixer (HF's torch chunked scan, a library region) and a full attention layer. The
-    # scan's chunk size stays HF's (256): counts in one chunk-size class share a stage graph.
-    "bamba": ("BambaConfig", {
-        "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
-        "mamba_expand": 2, "attn_layer_indices": [1],
-    }),
-    "qwen3_next": ("Qwen3NextConfig", {
-        **_MOE_SHAPE, "shared_expert_intermediate_size": 64, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4, "layer_types": ("linear_attention", "full_attention"),
-    }),
-}
-"""Family -> (``transformers`` config class name, fields on top of the shared tiny shape). A
-``layer_types`` tuple is a pattern, repeated over the layers."""
-
-
-def tiny_config(family: str, **overrides: Any) -> Any:
-    """A small config of ``family`` (a key of ``TINY_FAMILIES``) with ``attn_implementation="sdpa"`` (where
-    transformers has it).
-
-    ``overrides`` set any config field (``num_hidden_layers=2``, ``sliding_window=8``, ...).
-    """
-    try:
-        class_name, extra = TINY_FAMILIES[family]
-    except KeyError:
-        raise ValueError(f"tiny_config: unknown family {family!r}; known: {sorted(TINY_FAMILIES)}") from None
-    config_cls = getattr(transformers, class_name, None)
-    if config_cls is None:
-        raise ValueError(
-            f"tiny_config: transformers {transformers.__version__} has no {class_name} (family {family!r}); "
-            "pick another family or upgrade transformers"
-        )
-    fields = {**_TINY_SHAPE, "attn_implementation": "sdpa", **extra, **overrides}
-    if isinstance(fields.get("layer_types"), tuple):
-        pattern = fields["layer_types"]
-        fields["layer_types"] = [pattern[i % len(pattern)] for i in range(fields["num_hidden_layers"])]
-    return config_cls(**fields)
-
-
-def tiny_causal_lm(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
-    """A random-weight causal LM of ``family`` from :func:`tiny_config` (nothing is downloaded), seeded by
-    ``seed``, in eval mode with ``requires_grad_(False)``."""
-    config = tiny_config(family, **overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return model.eval().requires_grad_(False)
-
-
-# Sparse-MoE blocks that keep to the ``ppcompile.token_local`` contract in inference: top-k routing per
-# token, no expert capacity, no statistics kept in forward (Mixtral's router jitter runs in training only).
-TOKEN_LOCAL_BLOCKS = frozenset({
-    "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE",
-    "GptOssMLP", "Qwen3NextSparseMoeBlock",
-})
-# Linear-attention layers -> the torch function of their chunked scan, in the layer's module. The scan pads
-# the tokens to a multiple of the chunk size, folds them into chunks and back: row-mixing all through, so it
-# is declared one eager region (``ppcompile.eager_region``) instead of a break per op.
-EAGER_CORES = {"Qwen3NextGatedDeltaNet": "torch_chunk_gated_delta_rule"}
-
-
-def _declare_regions(layer: nn.Module) -> None:
-    """Declares what ppcompile knows of ``layer``'s blocks (``TOKEN_LOCAL_BLOCKS``, ``EAGER_CORES``)."""
+def _declare_regions(layer: nn.Module, declare: bool) -> None:
+    """Makes ``layer``'s ``OPAQUE_MIXERS`` opaque and, with ``declare``, declares what ppcompile knows of
+    its blocks (``TOKEN_LOCAL_BLOCKS``, ``EAGER_CORES``)."""
     for block in layer.modules():
         name = type(block).__name__
+        if name in OPAQUE_MIXERS:
+            make_opaque(block)
+        if not declare:
+            continue
         if name in TOKEN_LOCAL_BLOCKS:
             token_local(block)
         core = getattr(sys.modules.get(type(block).__module__), EAGER_CORES.get(name, ""), None)
@@ -189,11 +120,14 @@ def _build_mask(
     return _MASK_BUILDERS[kind](**kwargs)
 
 
-def _layer_type(config: Any, layer: int) -> str:
-    types = getattr(config, "layer_types", None)
-    if types:
-        return str(types[layer])
-    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+# ------------------------------------------------------------------------------------------ layout
+def _first_attr(owner: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    found = (getattr(owner, name, None) for name in names)
+    return next((m for m in found if isinstance(m, nn.Module)), None)
+
+
+_EMBEDDINGS = ("embed_tokens", "embeddings")  # Mamba-2: embeddings
+_FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")  # Bamba, Mamba-2, LFM2
 
 
 def _decoder(model: nn.Module) -> Any:
@@ -204,23 +138,28 @@ def _decoder(model: nn.Module) -> Any:
             f"HFStage: {type(model).__name__} has no base model; pass a transformers *ForCausalLM model "
             "(AutoModelForCausalLM.from_config or from_pretrained)"
         )
-    missing = [a for a in ("embed_tokens", "layers", "rotary_emb") if not hasattr(base, a)]
-    missing += [] if _final_norm(base) is not None else ["norm"]
+    missing = [] if _first_attr(base, _EMBEDDINGS) is not None else ["embed_tokens"]
+    missing += [] if isinstance(getattr(base, "layers", None), nn.ModuleList) else ["layers"]
+    missing += [] if _first_attr(base, _FINAL_NORMS) is not None else ["norm"]
     missing += [] if hasattr(model, "lm_head") else ["lm_head"]
     if missing:
         raise TypeError(
-            f"HFStage: {type(model).__name__} lacks the Llama-style layout this wrapper needs (missing "
-            f"{missing}); supported models keep embed_tokens, layers, norm (or final_layernorm) and "
-            "rotary_emb on the base model and lm_head on the LM (Llama, Mistral, Qwen2/3, Qwen2-MoE, "
-            "Mixtral, Qwen3-MoE, Bamba)"
+            f"HFStage: {type(model).__name__} lacks the layout this wrapper needs (missing {missing}); "
+            f"supported models keep the embeddings ({' or '.join(_EMBEDDINGS)}), layers and a final norm "
+            f"({' or '.join(_FINAL_NORMS)}) on the base model and lm_head on the LM"
         )
     return base
 
 
-def _final_norm(base: nn.Module) -> nn.Module | None:
-    """The base model's final norm: ``norm`` (Llama style) or ``final_layernorm`` (Bamba)."""
-    norm = getattr(base, "norm", None) or getattr(base, "final_layernorm", None)
-    return norm if isinstance(norm, nn.Module) else None
+def _logit_scales(model: nn.Module, base: nn.Module) -> tuple[tuple[str, float], ...]:
+    """What the LM does to ``lm_head``'s output, in order, as HF names it: ``("mul", s)`` (Cohere's
+    ``logit_scale``, Falcon-H1's ``lm_head_multiplier``), ``("div", s)`` (Granite's ``logits_scaling``),
+    ``("softcap", s)`` (Gemma's ``final_logit_softcapping``)."""
+    config = model.config
+    found = [("mul", getattr(model, "logit_scale", None)), ("mul", getattr(base, "lm_head_multiplier", None)),
+             ("div", getattr(config, "logits_scaling", None)),
+             ("softcap", getattr(config, "final_logit_softcapping", None))]
+    return tuple((op, float(s)) for op, s in found if isinstance(s, (int, float)))
 
 
 # ------------------------------------------------------------------------------------------ stage
@@ -236,7 +175,10 @@ class HFStage(nn.Module):
     ``declare_regions=True`` declares the layers' sparse-MoE blocks of the known families
     (``TOKEN_LOCAL_BLOCKS``) token-local (``ppcompile.token_local``), so their routing stays in graphs,
     and their chunked linear-attention scans (``EAGER_CORES``) one eager break each
-    (``ppcompile.eager_region``).
+    (``ppcompile.eager_region``). Mixers whose torch code fixes the token count (``OPAQUE_MIXERS``:
+    Jamba's) are made opaque custom ops, one break each, whatever ``declare_regions`` says. A family
+    HFStage cannot serve (``UNSUPPORTED``, layer kinds it does not know, mixers under ``varlen=True``)
+    raises a ``ValueError`` saying why.
     """
 
     def __init__(
@@ -252,6 +194,10 @@ class HFStage(nn.Module):
         super().__init__()
         self.compile_regions = compile_regions
         base = _decoder(model)
+        family = getattr(model.config, "model_type", "")
+        if family in UNSUPPORTED:
+            raise ValueError(f"HFStage: {type(model).__name__} (family {family!r}) is not supported: "
+                             f"{UNSUPPORTED[family]}")
         num_layers = len(base.layers)
         if not 0 <= pp_rank < pp_size:
             raise ValueError(f"HFStage: pp_rank must be in [0, pp_size={pp_size}), got {pp_rank}")
@@ -264,40 +210,66 @@ class HFStage(nn.Module):
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.start_layer, self.end_layer = start, end
         self.varlen = varlen
-        self.layer_types = tuple(_layer_type(self.config, i) for i in range(start, end))
-        unknown = sorted(set(self.layer_types) - set(_MASK_BUILDERS))
+        self.layer_types = tuple(layer_kind(self.config, i) for i in range(start, end))
+        unknown = sorted(set(self.layer_types) - set(LAYER_MASKS))
+        unknown += sorted({m for k in self.layer_types for m in LAYER_MASKS.get(k, ())} - set(_MASK_BUILDERS))
         if unknown:
             raise ValueError(
-                f"HFStage: layers {start}..{end - 1} of {type(model).__name__} use attention types "
-                f"{unknown}; supported: {sorted(_MASK_BUILDERS)}"
+                f"HFStage: layers {start}..{end - 1} of {type(model).__name__} (family {family!r}) use layer "
+                f"types {unknown}; supported: {sorted(LAYER_MASKS)}"
+            )
+        self.mask_kinds = tuple(sorted({m for k in self.layer_types for m in LAYER_MASKS[k]}))
+        if varlen and "linear_attention" in self.mask_kinds:
+            raise ValueError(
+                f"HFStage: varlen=True cannot serve layers {start}..{end - 1} of {type(model).__name__} "
+                f"(family {family!r}, layer types {sorted(set(self.layer_types))}): their mixers carry state "
+                "along the tokens, across packed sequences (HF's masks separate sequences for attention only)"
             )
         is_first, is_last = pp_rank == 0, pp_rank == pp_size - 1
-        self.embed_tokens: nn.Module | None = base.embed_tokens if is_first else None
+        self.embed_tokens: nn.Module | None = _first_attr(base, _EMBEDDINGS) if is_first else None
+        # Granite and Falcon-H1 scale the embeddings outside the embedding module (Gemma's does it inside).
+        multiplier = getattr(base, "embedding_multiplier", None)
+        self.embedding_multiplier = float(multiplier) if is_first and multiplier is not None else None
         self.layers = nn.ModuleList(
             base.layers[i] if start <= i < end else PPMissingLayer() for i in range(num_layers)
         )
-        if declare_regions:
-            for i in range(start, end):
-                _declare_regions(base.layers[i])
-        self.rotary_emb: nn.Module = base.rotary_emb
-        self.norm: nn.Module | None = _final_norm(base) if is_last else None
+        for i in range(start, end):
+            _declare_regions(base.layers[i], declare_regions)
+        # Zamba2's shared attention blocks read the embeddings in every hybrid layer: every stage but the
+        # last passes them on as the ``original_hidden_states`` proxy.
+        self.carries_embeddings = any(_takes(layer, "original_hidden_states") for layer in base.layers)
+        self.calls = tuple(_call_style(base.layers[i]) for i in range(start, end))
+        rotary = getattr(base, "rotary_emb", None)
+        # Rotary embeddings when a layer of the stage reads them (Mamba and short-conv layers do not).
+        uses_rotary = isinstance(rotary, nn.Module) and bool(ATTENTION_KINDS & set(self.layer_types))
+        self.rotary_emb: nn.Module | None = rotary if uses_rotary else None
+        # Gemma 3 computes one rotary embedding per attention type (global and local rope bases).
+        self.rope_per_kind = self.rotary_emb is not None and _takes(self.rotary_emb, "layer_type")
+        self.norm: nn.Module | None = _first_attr(base, _FINAL_NORMS) if is_last else None
         head: Any = model.lm_head
         self.lm_head: nn.Module | None = head if is_last else None
+        self.logit_scales = _logit_scales(model, base) if is_last else ()
 
     def _hidden_in(
         self, input_ids: torch.Tensor | None, proxies: Mapping[str, torch.Tensor] | None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's input hidden states ``[T, hidden]`` and, for Zamba2, the embeddings."""
         if self.embed_tokens is not None:
             if input_ids is None:
                 raise ValueError(f"HFStage rank 0/{self.pp_size}: the first stage needs input_ids, got None")
-            return self.embed_tokens(input_ids)
-        if proxies is None or "hidden_states" not in proxies:
+            hidden = self.embed_tokens(input_ids)
+            if self.embedding_multiplier is not None:
+                hidden = hidden * self.embedding_multiplier
+            return hidden, hidden if self.carries_embeddings else None
+        need = ("hidden_states", "original_hidden_states") if self.carries_embeddings else ("hidden_states",)
+        if proxies is None or any(key not in proxies for key in need):
             have = None if proxies is None else list(proxies)
             raise ValueError(
                 f"HFStage rank {self.pp_rank}/{self.pp_size}: pp_proxy_tensors must contain "
-                f"'hidden_states' [T, hidden], got keys {have}"
+                + " and ".join(f"{key!r} [T, hidden]" for key in need) + f", got keys {have}"
             )
-        return proxies["hidden_states"]
+        embeddings = proxies["original_hidden_states"] if self.carries_embeddings else None
+        return proxies["hidden_states"], embeddings
 
     def forward(
         self,
@@ -305,34 +277,85 @@ class HFStage(nn.Module):
         positions: torch.Tensor,
         pp_proxy_tensors: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | PPProxyTensors:
-        """``input_ids``/``positions``: int64 ``[T]``; proxies: ``hidden_states [T, hidden]``."""
-        hidden = self._hidden_in(input_ids, pp_proxy_tensors).unsqueeze(0)  # [1, T, H]: HF is batch-first
-        # Linear-attention and Mamba layers take no positions: a stage of only those leaves them out (they
+        """``input_ids``/``positions``: int64 ``[T]``; proxies: ``hidden_states [T, hidden]`` (and, for
+        Zamba2, ``original_hidden_states [T, hidden]``)."""
+        hidden, embeddings = self._hidden_in(input_ids, pp_proxy_tensors)
+        hidden = hidden.unsqueeze(0)  # [1, T, H]: HF is batch-first
+        original = embeddings.unsqueeze(0) if embeddings is not None else None
+        # Layers without rotary embeddings take no positions: a stage of only those leaves them out (they
         # would be a size of their own there, tied to no token-major tensor, and break as such).
-        rotary = any(kind != "linear_attention" for kind in self.layer_types)
-        position_ids = positions.unsqueeze(0) if rotary or self.varlen else None
+        position_ids = positions.unsqueeze(0) if self.rotary_emb is not None or self.varlen else None
         # One sequence: no position_ids, else HF traces its packed-sequence detection (a diff and a
         # cumsum over tokens) and a materialised [T, T] mask into the graph.
         mask_positions = position_ids if self.varlen else None
-        masks = {
-            kind: _build_mask(kind, self.config, hidden, mask_positions)
-            for kind in sorted(set(self.layer_types))
-        }
-        position_embeddings = self.rotary_emb(hidden, position_ids) if rotary else None
+        masks = {kind: _build_mask(kind, self.config, hidden, mask_positions) for kind in self.mask_kinds}
+        rope: dict[str, Any] = {}
+        if self.rotary_emb is not None:
+            if self.rope_per_kind:
+                rope = {k: self.rotary_emb(hidden, position_ids, k)
+                        for k in sorted(ATTENTION_KINDS & set(self.layer_types))}
+            else:
+                rope = dict.fromkeys(ATTENTION_KINDS, self.rotary_emb(hidden, position_ids))
         call = _layer_region if self.compile_regions else _run_layer
-        for i, kind in zip(range(self.start_layer, self.end_layer), self.layer_types):
-            hidden = call(self.layers[i], hidden, masks[kind], position_ids, position_embeddings)
+        for i, kind, style in zip(range(self.start_layer, self.end_layer), self.layer_types, self.calls):
+            args, kwargs = _layer_inputs(i, kind, style, masks, original, position_ids, rope.get(kind))
+            hidden = call(self.layers[i], hidden, args, kwargs)
         if self.norm is not None and self.lm_head is not None:
-            return self.lm_head(self.norm(hidden))[0]
-        return PPProxyTensors({"hidden_states": hidden[0]})
+            return self._logits(self.lm_head(self.norm(hidden))[0])
+        out = {"hidden_states": hidden[0]}
+        if embeddings is not None:
+            out["original_hidden_states"] = embeddings
+        return PPProxyTensors(out)
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        for op, scale in self.logit_scales:
+            if op == "mul":
+                logits = logits * scale
+            elif op == "div":
+                logits = logits / scale
+            else:  # softcap
+                logits = torch.tanh(logits / scale) * scale
+        return logits
 
 
-def _run_layer(
-    layer: nn.Module, hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor | None,
-    position_embeddings: Any,
-) -> torch.Tensor:
-    out = layer(hidden, attention_mask=mask, position_ids=position_ids,
-                position_embeddings=position_embeddings)
+# How a decoder layer takes its inputs: "zamba2" (positional: the embeddings, its layer id, the recurrent
+# and the causal mask), "parallel" (Falcon-H1: the causal mask and the recurrent one as
+# ``mamba_attention_mask``) or "plain" (its kind's mask); then whether it takes position_ids and
+# position_embeddings by name (HF passes them to the layers that name them).
+_CallStyle = tuple[str, bool, bool]
+
+
+def _takes(module: nn.Module, name: str) -> bool:
+    return name in inspect.signature(type(module).forward).parameters
+
+
+def _call_style(layer: nn.Module) -> _CallStyle:
+    style = ("zamba2" if _takes(layer, "original_hidden_states")
+             else "parallel" if _takes(layer, "mamba_attention_mask") else "plain")
+    return style, _takes(layer, "position_ids"), _takes(layer, "position_embeddings")
+
+
+def _layer_inputs(
+    index: int, kind: str, call: _CallStyle, masks: dict[str, Any], original: torch.Tensor | None,
+    position_ids: torch.Tensor | None, rope: Any,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments (after the hidden states) and keywords of one layer's call, as HF's model passes them."""
+    style, takes_positions, takes_rope = call
+    if style == "zamba2":
+        args = (original, index, masks.get("linear_attention"), masks.get("full_attention"))
+        return args, {"position_embeddings": rope, "position_ids": position_ids}
+    kwargs: dict[str, Any] = {"attention_mask": masks[LAYER_MASKS[kind][0]]}
+    if style == "parallel":
+        kwargs["mamba_attention_mask"] = masks["linear_attention"]
+    if takes_positions:
+        kwargs["position_ids"] = position_ids
+    if takes_rope:
+        kwargs["position_embeddings"] = rope
+    return (), kwargs
+
+
+def _run_layer(layer: nn.Module, hidden: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    out = layer(hidden, *args, **kwargs)
     return out[0] if isinstance(out, tuple) else out  # older transformers return a tuple
 
 

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import ppcompile  # noqa: E402
 from ppcompile.models.hf import TINY_FAMILIES, HFStage, make_hf_stages, tiny_causal_lm  # noqa: E402
+from ppcompile.models.hf_families import ATTENTION_KINDS, TOKEN_LOCAL_BLOCKS, layer_kind  # noqa: E402
 from ppcompile.models.layers import PPMissingLayer  # noqa: E402
 from ppcompile.records import BreakKind  # noqa: E402
 from ppcompile.runtime.stage_runtime import StageRuntime  # noqa: E402
@@ -25,10 +26,12 @@ from ppcompile.runtime.stage_runtime import StageRuntime  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = [4, 8, 16]
 OPTIONS = {"capture_sizes": SIZES, "graph_mode": "emulate"}  # the graph path ("auto" is live-size on CPU)
-MOE = ("qwen2_moe", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
-EAGER_ATTENTION = ("gpt_oss",)  # transformers has no SDPA path for it: attention in plain ops
-HYBRID = ("qwen3_next", "bamba")  # 2 layers: stage 0 is linear attention or Mamba-2, stage 1 full attention
-MIXERS = {"qwen3_next": "Qwen3NextGatedDeltaNet", "bamba": "BambaMixer"}  # stage 0's one break
+EAGER_ATTENTION = ("gpt_oss", "gemma2")  # transformers has no SDPA path for them: attention in plain ops
+# Families whose linear-attention / Mamba layers break once, at the mixer (a library region); LFM2's short
+# causal conv is prefix-causal and stays in graphs.
+MIXERS = {"qwen3_next": "Qwen3NextGatedDeltaNet", "bamba": "BambaMixer", "mamba2": "Mamba2Mixer",
+          "granitemoehybrid": "GraniteMoeHybridMambaLayer", "falcon_h1": "FalconH1Mixer",
+          "zamba2": "Zamba2MambaMixer", "jamba": "JambaMambaMixer"}
 
 
 @pytest.fixture(autouse=True)
@@ -131,39 +134,63 @@ def test_stages_match_eager_and_follow_the_bucket_plan(
             torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5, msg=f"{family}, {n} tokens")
     graphed = [rt for rt in new_runtimes() if rt.eager_reason is None]
     assert len(graphed) == 2
-    sdpa_layers = [0, 0] if family in EAGER_ATTENTION else [0, 1] if family in HYBRID else [1, 1]
-    for rt, layers in zip(graphed, sdpa_layers):
-        attention = [r for r in rt.break_reasons if r.kind is BreakKind.ATTENTION]
-        assert [r.op for r in attention] == ["scaled_dot_product_attention"] * layers  # 1 layer/stage
-        # Attention is the only break of dense and MoE layers (sparse-MoE blocks are declared token-local);
-        # attention written in plain ops breaks at its row-mixing ops, folded into one break; a linear-
-        # attention layer breaks once, at its chunked scan (declared an eager region).
-        # A sparse-MoE block whose experts run transformers' grouped_mm_fallback (float32; it reads its
-        # offsets on the host) cannot be captured: the whole block is then one capture-unsafe break.
-        moe_breaks = [s for s in rt.segments if s.reason is not None
-                      and s.reason.kind is BreakKind.CAPTURE_UNSAFE]
-        assert family in MOE or not moe_breaks, rt.describe()
+    _check_breaks(family, model, graphed)
+
+
+def _break_table() -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """docs/hf.md, "Breaks per stage graph": family -> (layer kind of stage 0 and 1, break segments of each
+    stage graph) of the 2-layer tiny model cut in two."""
+    section = (ROOT / "docs" / "hf.md").read_text().split("\n## Breaks per stage graph\n", 1)[1]
+    found = re.search(r"(?:^\|.*\|\n)+", section.split("\n## ", 1)[0], re.M)  # the section's first table
+    assert found is not None, "docs/hf.md: no table under 'Breaks per stage graph'"
+    table = {}
+    for row in found.group(0).splitlines()[2:]:
+        families, kinds, breaks = (cell.strip() for cell in row.strip("|").split("|")[:3])
+        for family in re.findall(r"`(\w+)`", families):
+            table[family] = (tuple(re.findall(r"`(\w+)`", kinds)), tuple(int(b) for b in breaks.split(",")))
+    return table
+
+
+def _check_breaks(family: str, model: torch.nn.Module, graphed: list[StageRuntime]) -> None:
+    """The stage graphs' breaks equal docs/hf.md's table and are what each layer kind makes: SDPA (or
+    attention in plain ops, one folded break) per attention layer, one library region per mixer, one
+    capture-unsafe break per sparse-MoE block (declared token-local; in float32 its experts run
+    grouped_mm_fallback, which reads its offsets on the host), nothing else; so at most attention and
+    mixer layers + 1 per stage graph."""
+    kinds, counts = _break_table()[family]
+    assert kinds == tuple(layer_kind(model.config, i) for i in range(2)), "docs/hf.md is stale: layer kinds"
+    assert counts == tuple(len(rt.break_reasons) for rt in graphed), \
+        f"docs/hf.md is stale: {family} measured " + " / ".join(rt.describe() for rt in graphed)
+    layers: Any = model.base_model.layers
+    for i, (rt, kind) in enumerate(zip(graphed, kinds)):
+        attention, mixer = int(kind in ATTENTION_KINDS), int(kind in ("linear_attention", "conv", "hybrid"))
+        assert len(rt.break_reasons) <= attention + mixer + 1, rt.describe()
+        sdpa = [r for r in rt.break_reasons if r.kind is BreakKind.ATTENTION]
+        unsafe = [r for r in rt.break_reasons if r.kind is BreakKind.UNSAFE_OP]
+        regions = [r for r in unsafe if "library region: " in r.op]
+        moe = [s for s in rt.segments if s.reason is not None and s.reason.kind is BreakKind.CAPTURE_UNSAFE]
+        plain = family in EAGER_ATTENTION  # attention in plain ops: one folded padding-unsafe break
+        assert [r.op for r in sdpa] == ["scaled_dot_product_attention"] * (0 if plain else attention)
+        assert len(unsafe) - len(regions) == (attention if plain else 0), rt.describe()
+        assert len(regions) == (mixer if family in MIXERS else 0), rt.describe()
+        assert all(f".{MIXERS[family]})" in r.op for r in regions), rt.describe()
+        assert len(moe) == sum(type(m).__name__ in TOKEN_LOCAL_BLOCKS for m in layers[i].modules())
         assert all(s.token_local_regions and "grouped_mm_fallback" in s.reason.op  # type: ignore[union-attr]
-                   for s in moe_breaks), rt.describe()
-        kinds = [r.kind for r in rt.break_reasons
-                 if r.kind not in (BreakKind.ATTENTION, BreakKind.CAPTURE_UNSAFE)]
-        if family in EAGER_ATTENTION:
-            assert kinds == [BreakKind.UNSAFE_OP], rt.describe()
-        else:
-            # The gated DeltaNet layer is one library region: one break, its chunked scan included.
-            linear_attention = family in HYBRID and not layers
-            assert kinds == ([BreakKind.UNSAFE_OP] if linear_attention else []), rt.describe()
-            assert not linear_attention or MIXERS[family] in rt.break_reasons[0].op
-        if family in MOE:
-            assert any(s.token_local_regions for s in rt.segments), rt.describe()
+                   for s in moe), rt.describe()
+        assert len(rt.break_reasons) == len(sdpa) + len(unsafe) + len(moe), rt.describe()
+
+
+def test_the_break_table_lists_every_family() -> None:
+    assert sorted(_break_table()) == sorted(TINY_FAMILIES)
 
 
 @pytest.mark.parametrize("graph_mode", ["eager", "none"])
-@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "qwen3_next", "zamba2", "jamba"])
 def test_moe_and_hybrid_families_match_eager_on_every_path(family: str, graph_mode: str) -> None:
     """The static-buffer path and the live path (the emulation: the test above) equal eager at a bucket,
     off buckets and above the cap; Qwen3-Next's chunked linear attention passes sizes such as
-    ``(64 - n % 64) % 64`` and shapes between segments."""
+    ``(64 - n % 64) % 64`` and shapes between segments, Zamba2 a second proxy (the embeddings), Jamba's
+    mixers are opaque ops."""
     model = _model(family)
     options = {**OPTIONS, "graph_mode": graph_mode}
     stages = [torch.compile(s, backend="pp_breakable", options=options) for s in make_hf_stages(model, 2)]
@@ -253,17 +280,6 @@ def test_stage_layout_keeps_global_layer_numbering() -> None:
     assert keys - {"lm_head.weight"} == hf_keys
     custom = HFStage(model, 0, 2, layer_range=(0, 4))
     assert (custom.start_layer, custom.end_layer) == (0, 4)
-
-
-def test_eager_stages_compose_to_the_model() -> None:
-    model = tiny_causal_lm("qwen2", num_hidden_layers=3)
-    ids = _ids(7)
-    with torch.inference_mode():
-        out: Any = None
-        for i, stage in enumerate(make_hf_stages(model, 3)):
-            out = stage(ids if i == 0 else None, torch.arange(7), None if i == 0 else out)
-        assert isinstance(out, torch.Tensor)
-        torch.testing.assert_close(out, model(ids[None]).logits[0])
 
 
 def test_bad_input_errors_name_the_input() -> None:
@@ -363,140 +379,3 @@ def test_each_stage_spends_at_most_two_compiles_from_one_token_to_above_the_cap(
     for first, one_token in by_module.values():
         assert one_token.token_symbol is None and one_token.compiled.record.recompile_of == first.name
     assert by_module[2][0].label.endswith("(module 2 of its frame)")
-
-
-# 2-layer models of families HFStage does not build, made from their transformers configs.
-_SMALL: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
-_SSM_MAMBA2: dict[str, Any] = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
-                               "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_expand": 2}
-# family -> (config class, fields, the mixer class's name, mixer breaks in a 2-layer model: LFM2's short
-# causal conv is prefix-causal and stays in graphs, no break)
-_SSM_FAMILIES: dict[str, tuple[str, dict[str, Any], str, int]] = {
-    "mamba2": ("Mamba2Config", {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 1,
-                                "chunk_size": 16, "expand": 2, "conv_kernel": 4}, "Mamba2Mixer", 2),
-    "bamba": ("BambaConfig", {**_SSM_MAMBA2, "attn_layer_indices": [1], "attn_implementation": "sdpa"},
-              "BambaMixer", 1),
-    "granitemoehybrid": ("GraniteMoeHybridConfig", {**_SSM_MAMBA2, "layer_types": ["mamba", "attention"],
-                                                    "num_local_experts": 2, "num_experts_per_tok": 1,
-                                                    "attn_implementation": "sdpa"},
-                         "GraniteMoeHybridMambaLayer", 1),
-    "zamba2": ("Zamba2Config", {"layers_block_type": ["mamba", "hybrid"], "mamba_d_state": 16,
-                                "mamba_headdim": 16, "n_mamba_heads": 8, "mamba_ngroups": 1,
-                                "chunk_size": 16, "attn_implementation": "sdpa"}, "Zamba2MambaMixer", 2),
-    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"], "attn_implementation": "sdpa"},
-             "Lfm2ShortConv", 0),
-}
-
-
-def _from_config(class_name: str, **fields: Any) -> torch.nn.Module:
-    """A seeded random-weight causal LM of transformers' ``class_name`` config (skips if it is missing)."""
-    if getattr(transformers, class_name, None) is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
-    config = getattr(transformers, class_name)(**fields)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(config).eval()  # type: ignore[no-any-return]
-
-
-class _UserWrapper(torch.nn.Module):
-    """A stage wrapper as a new user writes one: the HF model itself, batch-first, given position_ids
-    (which HF's mask builders use to look for packed sequences)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, position_ids=positions, use_cache=False).logits  # type: ignore
-
-
-_MASK_FAMILIES = {"llama": ("LlamaConfig", {}), "gemma3": ("Gemma3TextConfig", {"sliding_window": 4}),
-                  "cohere": ("CohereConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-                  "granite": ("GraniteConfig", {})}
-
-
-@pytest.mark.parametrize("family", sorted(_MASK_FAMILIES))
-def test_hf_mask_code_given_positions_is_one_break_per_stage_graph(family: str) -> None:
-    """A user's wrapper passes position_ids, so HF's mask builders run their packed-sequence detection
-    and position gathers (row-mixing: 2-5 breaks before): one break per stage graph now, beside the
-    attention breaks; logits equal eager at a bucket, a bucket + 1, below and above the cap."""
-    class_name, extra = _MASK_FAMILIES[family]
-    model = _UserWrapper(_from_config(class_name, **{**_SMALL, "head_dim": 16, "attn_implementation": "sdpa",
-                                                     **extra}))
-    compiled = torch.compile(model, backend="pp_breakable", options=OPTIONS)
-    with torch.inference_mode():
-        for n in (8, 9, 3, 20):
-            ids, positions = _ids(n)[None], torch.arange(n)[None]
-            ppcompile.mark_token_dynamic(ids, positions, dim=1)
-            torch.testing.assert_close(compiled(ids, positions), model(ids, positions), rtol=1e-5, atol=1e-5)
-    (rt,) = [rt for rt in ppcompile.runtimes_of(model) if rt.token_symbol is not None]
-    others = [r for r in rt.break_reasons if r.kind is not BreakKind.ATTENTION]
-    assert len(others) == 1 and "transformers attention masks (masking_utils)" in others[0].op, rt.describe()
-    assert ppcompile.counters.replays == 3  # 20 tokens is above the cap
-
-
-
-class _BatchFirstLM(torch.nn.Module):
-    """A user's stage wrapper: the HF model on ``[1, T]`` ids, no cache."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, use_cache=False).logits  # type: ignore[no-any-return]
-
-
-@pytest.mark.parametrize("family", sorted(_SSM_FAMILIES))
-def test_a_state_space_or_short_conv_mixer_is_one_break(family: str) -> None:
-    """HF's torch reference mixers (a chunked SSD scan, a short causal conv) may mix token rows all
-    through; each mixer instance is one library region: one break run on the live rows if any of its
-    ops must break (4-7 breaks per layer before), else in graphs. Logits equal eager at a bucket, a
-    bucket + 1, below and above the cap."""
-    class_name, fields, mixer, mixer_breaks = _SSM_FAMILIES[family]
-    model = _BatchFirstLM(_from_config(class_name, **_SMALL, **fields))
-    compiled = torch.compile(model, backend="pp_breakable", options=OPTIONS)
-    with torch.inference_mode():
-        for n in (8, 9, 3, 20):
-            ids = _ids(n)[None]
-            ppcompile.mark_token_dynamic(ids, dim=1)
-            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4, atol=1e-4)
-    graphs = [rt for rt in ppcompile.runtimes_of(model) if rt.token_symbol is not None]
-    assert graphs and ppcompile.counters.replays == 3  # 20 tokens is above the cap
-    for rt in graphs:
-        ops = [r.op for r in rt.break_reasons]
-        assert sum("library region: " in op and f".{mixer})" in op for op in ops) == mixer_breaks, \
-            rt.describe()
-
-
-class _StatesOut(torch.nn.Module):
-    """The HF model with a cache, returning the logits and every layer's conv and SSM states."""
-
-    def __init__(self, model: torch.nn.Module, layers: int) -> None:
-        super().__init__()
-        self.model, self.layers = model, layers
-
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = self.model(input_ids=ids, use_cache=True)
-        cache = out.cache  # type: ignore[attr-defined]
-        states = [t for i in range(self.layers)
-                  for t in (cache.get_conv_state(i), cache.get_recurrent_state(i))]
-        return (out.logits, *states)
-
-
-def test_the_states_a_mixer_writes_for_decode_equal_eager() -> None:
-    """The conv and SSM states a Mamba-2 mixer leaves for decode never see padded rows: the mixer runs
-    on the live rows (one break), so on the graph path they equal eager's at every count."""
-    class_name, fields, _, _ = _SSM_FAMILIES["mamba2"]
-    model = _StatesOut(_from_config(class_name, **_SMALL, **fields), 2)
-    compiled = torch.compile(model, backend="pp_breakable", options=OPTIONS)
-    with torch.inference_mode():
-        for n in (8, 9, 3, 16, 5):
-            ids = _ids(n)[None]
-            ppcompile.mark_token_dynamic(ids, dim=1)
-            got, want = compiled(ids), model(ids)
-            assert len(got) == 5 and all(t is not None for t in want)
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} tokens: {m}")
-    assert ppcompile.counters.replays == 5
