@@ -16,7 +16,7 @@ from ppcompile.layer_regions import layer_region_plans, trace_layers_once
 from ppcompile.passes.check_padding_safety import PaddingSafetyError
 from ppcompile.planning import plan_buckets
 from ppcompile.proxy import PPProxyTensors
-from ppcompile.regions import eager_region, token_local
+from ppcompile.regions import eager_region, opaque_library_mixers, opaque_module, token_local
 from ppcompile.runtime.executors import ReplayAddressError
 from ppcompile.runtime.fences import fence_outputs
 from ppcompile.runtime.group_agreement import GroupCaptureError, GroupDivergenceError
@@ -42,6 +42,8 @@ __all__ = [
     "fence_outputs",
     "layer_region_plans",
     "mark_token_dynamic",
+    "opaque_library_mixers",
+    "opaque_module",
     "plan_buckets",
     "pp_breakable",
     "register_attention_op",

@@ -32,6 +32,11 @@ eagerly on the live rows as one break, however many of its ops could be graphed.
 token rows all through (a chunked scan that pads the tokens to a multiple of the chunk size, folds them
 into chunks and unfolds them), one break costs less than a break per row-mixing op with tiny graph
 segments between.
+
+**Opaque modules.** :func:`opaque_module` makes one module instance a single custom op that Dynamo does
+not trace: one break on the live rows whose code Dynamo never sees, so nothing in it can specialise the
+token count or guard on it (a scan that loops over the tokens, or pads them to a chunk with an ``if``).
+:func:`opaque_library_mixers` does so for every state-space mixer of ``OPAQUE_LIBRARY_MIXERS`` in a model.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -46,9 +52,10 @@ import torch
 import torch.fx.traceback
 from torch import nn
 
-__all__ = ["ANNOTATION_KEY", "LIBRARY_MODULES", "LIBRARY_PREFIX", "LIBRARY_REGIONS", "class_label",
-           "declared_classes", "declared_functions", "eager_region", "is_declared", "is_library_label",
-           "library_functions", "token_local", "undeclare"]
+__all__ = ["ANNOTATION_KEY", "LIBRARY_MODULES", "LIBRARY_PREFIX", "LIBRARY_REGIONS", "OPAQUE_LIBRARY_MIXERS",
+           "class_label", "declared_classes", "declared_functions", "eager_region", "is_declared",
+           "is_library_label", "library_functions", "opaque_library_mixers", "opaque_module", "token_local",
+           "undeclare"]
 
 ANNOTATION_KEY = "pp_token_local"
 """Key of ``node.meta["custom"]`` holding the declared instance's label."""
@@ -183,3 +190,83 @@ def undeclare(target: type[nn.Module] | nn.Module | Callable[..., Any]) -> None:
         _FUNCTIONS.pop((code.co_filename, code.co_name), None)
     elif getattr(target.forward, "__pp_token_local__", None) is not None:
         del target.forward  # the instance attribute: the class's forward shows again
+
+
+OPAQUE_LIBRARY_MIXERS: frozenset[str] = frozenset(f"transformers.models.{path}" for path in (
+    # Traced by Dynamo, their torch code fixes the token count or its class. Mamba's selective scan
+    # (without the mamba_ssm kernels) loops over the tokens, or runs associative_scan, which specialises
+    # the count; the Mamba-2 chunked scans pad to the chunk size behind ``if pad_size > 0``, so Dynamo
+    # guards on the count's residue class and traces a stage graph per class.
+    "mamba.modeling_mamba.MambaMixer", "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer",
+    "jamba.modeling_jamba.JambaMambaMixer", "zamba.modeling_zamba.ZambaMambaMixer",
+    "mamba2.modeling_mamba2.Mamba2Mixer", "bamba.modeling_bamba.BambaMixer",
+    "falcon_h1.modeling_falcon_h1.FalconH1Mixer", "zamba2.modeling_zamba2.Zamba2MambaMixer",
+    "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+    "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
+))
+"""Library mixer classes (``module.QualName``) that :func:`opaque_library_mixers` makes opaque."""
+
+_OPAQUE: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("ppcompile::opaque_module", mutates_args=())
+def _opaque_forward(x: torch.Tensor, key: str) -> torch.Tensor:
+    module = _OPAQUE.get(key)
+    if module is None:
+        raise RuntimeError(f"ppcompile::opaque_module: the module {key} is gone (garbage-collected)")
+    out = type(module).forward(module, x)
+    like = (x.shape, x.dtype, x.device)
+    same = isinstance(out, torch.Tensor) and (out.shape, out.dtype, out.device) == like
+    if not same:
+        got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"ppcompile.opaque_module: {key} must map a tensor to one of the same shape, dtype "
+                        f"and device ({x.dtype} {list(x.shape)} on {x.device}), got {got}")
+    return out
+
+
+@_opaque_forward.register_fake
+def _(x: torch.Tensor, key: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def opaque_module(module: nn.Module) -> nn.Module:
+    """Makes ``module`` (an instance) run as one opaque custom op, ``ppcompile::opaque_module``, whenever
+    it is called with one tensor and every other argument its ``forward`` names ``None`` (a prefill
+    stage's mixer: no cache, no mask); keywords it does not name, which its ``**kwargs`` would take, are
+    dropped (HF layers pass such extras on to mixers that ignore them). Called with more, it runs as
+    before (an HF model's ``generate``). The op calls the class's
+    ``forward`` eagerly and must get back a tensor of the input's shape, dtype and device (checked).
+    In ``pp_breakable`` it is one break on the live rows. Returns ``module``; declaring twice is a no-op.
+    Declare before the first call of the compiled stage: it replaces the instance's ``forward``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"opaque_module: expected an nn.Module instance, got {type(module).__name__}")
+    if getattr(module.forward, "__pp_opaque__", False):
+        return module
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    signature = inspect.signature(type(module).forward).parameters.values()
+    named = [p.name for p in signature if p.kind not in variadic][1:]  # after self
+    if not named:
+        raise TypeError(f"opaque_module: {class_label(type(module))}.forward takes no input")
+    key = f"{class_label(type(module))}@{id(module):x}"
+    _OPAQUE[key] = module
+    first, others = named[0], frozenset(named[1:])
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else kwargs.get(first)
+        rest = [*args[1:], *(v for k, v in kwargs.items() if k in others)]
+        if isinstance(x, torch.Tensor) and all(v is None for v in rest):
+            return _opaque_forward(x, key)
+        return type(module).forward(module, *args, **kwargs)
+
+    forward.__pp_opaque__ = True  # type: ignore[attr-defined]
+    module.forward = forward
+    return module
+
+
+def opaque_library_mixers(model: nn.Module) -> int:
+    """Makes every submodule of ``model`` whose class :data:`OPAQUE_LIBRARY_MIXERS` names opaque
+    (:func:`opaque_module`); returns how many there are."""
+    found = [m for m in model.modules() if class_label(type(m)) in OPAQUE_LIBRARY_MIXERS]
+    for mixer in found:
+        opaque_module(mixer)
+    return len(found)

@@ -40,7 +40,7 @@ from torch import nn
 from ppcompile.models.layers import PPMissingLayer, nested_region
 from ppcompile.models.stage import get_pp_indices
 from ppcompile.proxy import PPProxyTensors
-from ppcompile.regions import eager_region, token_local
+from ppcompile.regions import OPAQUE_LIBRARY_MIXERS, class_label, eager_region, opaque_module, token_local
 
 try:
     from transformers import masking_utils
@@ -54,12 +54,10 @@ from ppcompile.models.hf_families import (
     ATTENTION_KINDS,
     EAGER_CORES,
     LAYER_MASKS,
-    OPAQUE_MIXERS,
     TINY_FAMILIES,
     TOKEN_LOCAL_BLOCKS,
     UNSUPPORTED,
     layer_kind,
-    make_opaque,
     tiny_causal_lm,
     tiny_config,
 )
@@ -71,12 +69,13 @@ log = logging.getLogger(__name__)
 
 
 def _declare_regions(layer: nn.Module, declare: bool) -> None:
-    """Makes ``layer``'s ``OPAQUE_MIXERS`` opaque and, with ``declare``, declares what ppcompile knows of
-    its blocks (``TOKEN_LOCAL_BLOCKS``, ``EAGER_CORES``)."""
+    """Makes ``layer``'s state-space mixers opaque (``ppcompile.opaque_module``; their classes are
+    ``OPAQUE_LIBRARY_MIXERS``) and, with ``declare``, declares what ppcompile knows of its blocks
+    (``TOKEN_LOCAL_BLOCKS``, ``EAGER_CORES``)."""
     for block in layer.modules():
         name = type(block).__name__
-        if name in OPAQUE_MIXERS:
-            make_opaque(block)
+        if class_label(type(block)) in OPAQUE_LIBRARY_MIXERS:
+            opaque_module(block)
         if not declare:
             continue
         if name in TOKEN_LOCAL_BLOCKS:
@@ -175,8 +174,9 @@ class HFStage(nn.Module):
     ``declare_regions=True`` declares the layers' sparse-MoE blocks of the known families
     (``TOKEN_LOCAL_BLOCKS``) token-local (``ppcompile.token_local``), so their routing stays in graphs,
     and their chunked linear-attention scans (``EAGER_CORES``) one eager break each
-    (``ppcompile.eager_region``). Mixers whose torch code fixes the token count (``OPAQUE_MIXERS``:
-    Jamba's) are made opaque custom ops, one break each, whatever ``declare_regions`` says. A family
+    (``ppcompile.eager_region``). Mamba and Mamba-2 mixers, whose torch code fixes the token count or its
+    class (``ppcompile.regions.OPAQUE_LIBRARY_MIXERS``), are made opaque custom ops
+    (``ppcompile.opaque_module``), one break each, whatever ``declare_regions`` says. A family
     HFStage cannot serve (``UNSUPPORTED``, layer kinds it does not know, mixers under ``varlen=True``)
     raises a ``ValueError`` saying why.
     """

@@ -7,15 +7,14 @@ Import it through ``ppcompile.models.hf`` (which re-exports the public names and
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 import transformers
 from torch import nn
 
-__all__ = ["ATTENTION_KINDS", "EAGER_CORES", "LAYER_MASKS", "OPAQUE_MIXERS", "TINY_FAMILIES",
-           "TOKEN_LOCAL_BLOCKS", "UNSUPPORTED", "layer_kind", "make_opaque", "tiny_causal_lm", "tiny_config"]
+__all__ = ["ATTENTION_KINDS", "EAGER_CORES", "LAYER_MASKS", "TINY_FAMILIES",
+           "TOKEN_LOCAL_BLOCKS", "UNSUPPORTED", "layer_kind", "tiny_causal_lm", "tiny_config"]
 
 # ------------------------------------------------------------------------------------------ layer kinds
 LAYER_MASKS: dict[str, tuple[str, ...]] = {
@@ -58,44 +57,6 @@ TOKEN_LOCAL_BLOCKS = frozenset({
 # the tokens to a multiple of the chunk size, folds them into chunks and back: row-mixing all through, so it
 # is declared one eager region (``ppcompile.eager_region``) instead of a break per op.
 EAGER_CORES = {"Qwen3NextGatedDeltaNet": "torch_chunk_gated_delta_rule"}
-# Mixers whose torch code fixes the token count when Dynamo traces it: Jamba's selective scan steps through
-# the tokens in a Python loop, or, under Dynamo, runs associative_scan, which specialises the count (Dynamo
-# then rejects a marked token dim: "marked as dynamic but your code specialized it"). HFStage calls each
-# through one opaque custom op (``make_opaque``): Dynamo does not trace it, the backend runs it as one
-# eager break on the live rows.
-OPAQUE_MIXERS = frozenset({"JambaMambaMixer"})
-_OPAQUE: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
-
-
-@torch.library.custom_op("ppcompile::hf_opaque_mixer", mutates_args=())
-def _opaque_mixer(hidden: torch.Tensor, key: str) -> torch.Tensor:
-    mixer = _OPAQUE[key]
-    out: torch.Tensor = type(mixer).forward(mixer, hidden)
-    return out
-
-
-@_opaque_mixer.register_fake
-def _(hidden: torch.Tensor, key: str) -> torch.Tensor:
-    return torch.empty_like(hidden)  # a mixer maps [B, T, hidden] to [B, T, hidden]
-
-
-def make_opaque(mixer: nn.Module) -> None:
-    """Makes ``mixer`` (an instance) call its own ``forward`` through ``ppcompile::hf_opaque_mixer`` when it
-    runs without a cache or a mask (a prefill stage); with either, as before (the HF model's generate)."""
-    if getattr(mixer.forward, "__pp_opaque__", False):
-        return
-    key = f"{type(mixer).__qualname__}@{id(mixer):x}"
-    _OPAQUE[key] = mixer
-
-    def forward(
-        hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs: Any
-    ) -> Any:
-        if cache is None and attention_mask is None and not kwargs:
-            return _opaque_mixer(hidden_states, key)
-        return type(mixer).forward(mixer, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-
-    forward.__pp_opaque__ = True  # type: ignore[attr-defined]
-    mixer.forward = forward
 
 # ------------------------------------------------------------------------------------------ tiny configs
 # Tiny shape shared by every family: 4 layers, GQA (4 query heads, 2 KV heads of dim 16).
@@ -142,7 +103,7 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
         "linear_conv_kernel_dim": 4, "layer_types": ("linear_attention", "full_attention"),
     }),
-    # Hybrids of a Mamba-2 mixer (HF's torch chunked scan, a library region) and full attention.
+    # Hybrids of a Mamba-2 mixer (HF's torch chunked scan, an opaque mixer) and full attention.
     "bamba": ("BambaConfig", {**_MAMBA2, "attn_layer_indices": [1]}),
     "granitemoehybrid": ("GraniteMoeHybridConfig", {
         **_MAMBA2, **_GRANITE_SCALES, "layer_types": ("linear_attention", "full_attention"),

@@ -92,9 +92,10 @@ def test_zamba2_stages_pass_the_embeddings_on() -> None:
 
 
 def test_opaque_mixers_keep_their_models_apart() -> None:
-    """Jamba's mixers run through one opaque op keyed by the mixer: two models of the same class, compiled
-    as one-stage pipelines, each equal their own model (the second recompiles, never reusing the first's
-    mixers); the HF model with a cache still runs its mixers as before."""
+    """Jamba's mixers run through one opaque op (``ppcompile.opaque_module``) keyed by the mixer: two
+    models of the same class, compiled as one-stage pipelines, each equal their own model (the second
+    recompiles, never reusing the first's mixers); the HF model with a cache still runs its mixers as
+    before."""
     models = [_model("jamba", num_hidden_layers=2, seed=seed) for seed in (0, 1)]
     stages = [HFStage(m) for m in models]
     compiled = [torch.compile(s, backend="pp_breakable", options=OPTIONS) for s in stages]
@@ -107,7 +108,7 @@ def test_opaque_mixers_keep_their_models_apart() -> None:
     assert not torch.allclose(models[0](_ids(8)[None]).logits, models[1](_ids(8)[None]).logits)
     for stage in stages:
         (rt,) = [rt for rt in ppcompile.runtimes_of(stage) if rt.token_symbol is not None]
-        assert sum("hf_opaque_mixer" in r.op for r in rt.break_reasons) == 1, rt.describe()
+        assert sum("ppcompile.opaque_module" in r.op for r in rt.break_reasons) == 1, rt.describe()
 
 
 def test_families_and_configurations_it_cannot_serve_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
