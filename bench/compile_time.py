@@ -56,7 +56,8 @@ DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "bench" / "results" / "cpu" / "compile_time.json"
 CFG = ModelConfig()  # hidden 64, MLP 128, 4/2 heads x 16: narrow, so small forwards are overhead-bound
 PP = 3  # a middle stage: proxies in and out
-REGIONS = " + regions"  # the stage's layers marked as nested compile regions (traced once)
+REGIONS = " + regions"  # the stage's layers marked as nested compile regions by hand (traced once)
+ONCE = " + once"  # ppcompile.trace_layers_once on the unchanged stage
 COMPILERS = ("eager", "inductor", "inductor" + REGIONS)
 NO_DEDUP = " (no dedup)"  # the Inductor row with sharing off: what compiling every segment costs
 NO_DISK_CACHES = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -110,9 +111,11 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
     torch.set_num_threads(1)
     cfg = stage_config(layers).replace(compile_regions=compiler.endswith(REGIONS))
     stage = make_stage(cfg, 1, PP)
+    if compiler.endswith(ONCE):
+        ppcompile.trace_layers_once(stage)
     # Capture is the graph path's: its CPU emulation here ("auto" would serve at the live size, no capture).
-    options: dict[str, Any] = {"segment_compiler": compiler.removesuffix(NO_DEDUP).removesuffix(REGIONS),
-                               "graph_mode": "emulate"}
+    segment_compiler = compiler.removesuffix(NO_DEDUP).removesuffix(REGIONS).removesuffix(ONCE)
+    options: dict[str, Any] = {"segment_compiler": segment_compiler, "graph_mode": "emulate"}
     if compiler.endswith(NO_DEDUP):
         options["dedup_segments"] = False
     if max_tokens is not None:
@@ -135,6 +138,9 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
         "dynamo_trace": times.get("dynamo_trace"), "passes": times["passes"],
         "segment_compile": times["segment_compile"],
         "capture": sum(c.seconds for c in captures),
+        "capture_buckets": sum(len(c.buckets) for c in captures),
+        "region_calls": sum(runtime.compiled.record.region_traces.values()),
+        "region_traces": len(runtime.compiled.record.region_traces),
         "graph_segments": sum(st.segment.is_graph for st in runtime.program.steps),
         "buckets": len(runtime.plan.sizes),
         "unique_compiles": sum(not r.reused for r in records),

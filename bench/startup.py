@@ -1,0 +1,140 @@
+"""Startup of a deep stage: the first call of a fresh process, cold and warm, flat and traced once.
+
+A middle PP stage of the reference decoder (hidden 64, its own code unchanged) with 4, 32 and 80 layers,
+eager and Inductor segments, each flat (Dynamo traces every layer) and with
+``ppcompile.trace_layers_once``. Every row is a fresh Python process that compiles the stage and makes
+its first call at 16 tokens: Dynamo's trace, ppcompile's passes, the segment compiles, the capture of the
+default ladder (74 buckets up to 8192; the CPU emulation) and one forward. The breakdown comes from the
+stage's compile record and capture records.
+
+- **cold**: Inductor's on-disk caches (FX graph, AOTAutograd) off. The Inductor cache directory is shared
+  and warmed once first, so its one-time CPU-ISA probe (paid once per machine) is not in the rows.
+- **warm**: the caches on, in a cache directory of the row's own that one process of the same stage
+  filled just before: what a restart of the same stage costs.
+
+Prints the table and the issue's targets (cold, 32 vs 4 layers: at most 1.5x with eager segments and
+1.3x with Inductor's, traced once; warm at most 0.25x cold). Run: ``python bench/startup.py [--write]``
+(``--write`` updates the "Startup" section of docs/benchmarks.md); ``--quick`` is a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.compile_time import NO_DISK_CACHES, ONCE, run_child
+from bench.report import describe_machine, machine_info, markdown_table, save_json, update_markdown_section
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = ROOT / "bench" / "results" / "cpu" / "startup.json"
+COMPILERS = ("eager", "eager" + ONCE, "inductor", "inductor" + ONCE)
+TARGETS = {"eager" + ONCE: 1.5, "inductor" + ONCE: 1.3}  # cold, most layers vs fewest
+WARM_TARGET = 0.25  # warm first call / cold first call
+
+
+def _child(layers: int, compiler: str, env: dict[str, str], max_tokens: int | None) -> dict[str, Any]:
+    extra = ["--max-tokens", str(max_tokens)] if max_tokens is not None else []
+    return run_child(["--child", str(layers), compiler, *extra], env)
+
+
+def measure(layers: Sequence[int], repeats: int, max_tokens: int | None) -> list[dict[str, Any]]:
+    """Cold rows (best of ``repeats`` processes) and warm rows (the second of two processes sharing a
+    fresh cache dir) for every (layers, compiler)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ppcompile_bench_startup_") as root:
+        base = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        cold_env = {**base, "TORCHINDUCTOR_CACHE_DIR": f"{root}/cold", **NO_DISK_CACHES}
+        _child(layers[0], "inductor", cold_env, max_tokens)  # the one-time ISA probe and headers
+        for n in layers:
+            for compiler in COMPILERS:
+                cold = min((_child(n, compiler, cold_env, max_tokens) for _ in range(repeats)),
+                           key=lambda r: r["total"])
+                warm_env = {**base, "TORCHINDUCTOR_CACHE_DIR": f"{root}/warm-{n}-{compiler.replace(' ', '')}"}
+                _child(n, compiler, warm_env, max_tokens)  # fills the cache dir
+                warm = _child(n, compiler, warm_env, max_tokens)
+                rows += [{**cold, "start": "cold"}, {**warm, "start": "warm"}]
+                print(f"{n:3d} layers {compiler:16s} cold {cold['total']:6.2f} s  "
+                      f"warm {warm['total']:6.2f} s", file=sys.stderr)
+    return rows
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} s"
+
+
+def render(results: dict[str, Any]) -> str:
+    rows = results["rows"]
+    ladder = "default capture ladder (74 buckets up to 8192)" if results["max_tokens"] is None else \
+        f"capture ladder up to {results['max_tokens']}"
+    out = ["## Startup", "", f"`python bench/startup.py --write` on {describe_machine(results['info'])}.", "",
+           f"Middle stage of the reference decoder, hidden 64, {ladder}, first call at 16 tokens, one "
+           "fresh process per row. `+ once`: `ppcompile.trace_layers_once(stage)` before `torch.compile` "
+           "(the model's code unchanged). Cold: Inductor's on-disk caches off (best of "
+           f"{results['repeats']}); warm: caches on, after one process of the same stage filled them. "
+           "Regions: calls through nested compile regions / distinct traces of them.", ""]
+    table = [[r["layers"], r["compiler"], r["start"], f"{r['region_calls']} / {r['region_traces']}",
+              _fmt(r["dynamo_trace"]), _fmt(r["passes"]), _fmt(r["segment_compile"]), _fmt(r["capture"]),
+              _fmt(r["total"])] for r in rows]
+    out.append(markdown_table(["layers", "segments", "start", "regions", "dynamo trace", "passes",
+                               "segment compile", "capture", "first call"], table))
+    out += ["", "### Against the targets", ""]
+    out += _targets(rows)
+    return "\n".join(out) + "\n"
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    by = {(r["layers"], r["compiler"], r["start"]): r for r in rows}
+    layers = sorted({r["layers"] for r in rows})
+    lo = layers[0]
+    for compiler in COMPILERS:
+        for hi in layers[1:]:
+            a, b = by[(lo, compiler, "cold")], by[(hi, compiler, "cold")]
+            ratio = b["total"] / a["total"]
+            target = TARGETS.get(compiler)
+            verdict = "" if target is None else \
+                f" (target <= {target}x: {'met' if ratio <= target else 'not met'})"
+            lines.append(f"- cold, {compiler} segments, {hi} vs {lo} layers: {ratio:.2f}x{verdict}; Dynamo "
+                         f"trace {b['dynamo_trace'] / a['dynamo_trace']:.2f}x, capture "
+                         f"{b['capture'] / a['capture']:.2f}x.")
+    for compiler in COMPILERS:
+        hi = layers[-1]
+        cold, warm = by[(hi, compiler, "cold")], by[(hi, compiler, "warm")]
+        ratio = warm["total"] / cold["total"]
+        lines.append(f"- warm vs cold, {compiler} segments, {hi} layers: {ratio:.2f}x (target <= "
+                     f"{WARM_TARGET}x: {'met' if ratio <= WARM_TARGET else 'not met'}).")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 32, 80])
+    parser.add_argument("--repeats", type=int, default=1, help="cold processes per row (the fastest)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="cap of the capture ladder")
+    parser.add_argument("--quick", action="store_true", help="2 and 4 layers, cap 64: a smoke run")
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.max_tokens, args.repeats = [2, 4], 64, 1
+    results = {"info": machine_info("cpu", threads=1), "max_tokens": args.max_tokens, "repeats": args.repeats,
+               "rows": measure(args.layers, args.repeats, args.max_tokens)}
+    text = render(results)
+    print(text)
+    if not args.quick:
+        save_json(RESULTS, results)
+    if args.write:
+        update_markdown_section(DOC, "startup", text)
+        print(f"wrote {DOC.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

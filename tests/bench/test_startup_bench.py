@@ -1,0 +1,37 @@
+"""bench/startup.py's report: the table and the verdicts against the issue's targets, from given rows (the
+measurement itself runs fresh processes for minutes and is no test)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report import machine_info
+from bench.startup import COMPILERS, render
+
+
+def _row(layers: int, compiler: str, start: str, total: float) -> dict[str, Any]:
+    return {"layers": layers, "compiler": compiler, "start": start, "region_calls": 0, "region_traces": 0,
+            "dynamo_trace": total / 2, "passes": 0.01, "segment_compile": 0.0, "capture": total / 4,
+            "total": total}
+
+
+def test_the_report_says_which_targets_are_met() -> None:
+    # 4 -> 32 layers: eager + once 1.4x (target 1.5: met), inductor + once 1.5x (target 1.3: not met);
+    # warm at 0.2x cold (met) for eager segments, 0.5x (not met) for Inductor's.
+    cold = {"eager": (1.0, 3.0), "eager + once": (1.0, 1.4), "inductor": (2.0, 4.0),
+            "inductor + once": (2.0, 3.0)}
+    rows = []
+    for compiler in COMPILERS:
+        lo, hi = cold[compiler]
+        warm = 0.2 if compiler.startswith("eager") else 0.5
+        rows += [_row(4, compiler, "cold", lo), _row(4, compiler, "warm", lo * warm),
+                 _row(32, compiler, "cold", hi), _row(32, compiler, "warm", hi * warm)]
+    text = render({"info": machine_info("cpu", threads=1), "max_tokens": 64, "repeats": 1, "rows": rows})
+    assert text.startswith("## Startup\n")
+    assert "capture ladder up to 64" in text
+    assert "| 32 | inductor + once | cold |" in text
+    assert "- cold, eager + once segments, 32 vs 4 layers: 1.40x (target <= 1.5x: met)" in text
+    assert "- cold, inductor + once segments, 32 vs 4 layers: 1.50x (target <= 1.3x: not met)" in text
+    assert "- cold, eager segments, 32 vs 4 layers: 3.00x; Dynamo trace 3.00x" in text  # no target
+    assert "- warm vs cold, eager + once segments, 32 layers: 0.20x (target <= 0.25x: met)." in text
+    assert "- warm vs cold, inductor segments, 32 layers: 0.50x (target <= 0.25x: not met)." in text
