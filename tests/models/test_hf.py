@@ -6,7 +6,7 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +34,7 @@ MIXERS = {"qwen3_next": "Qwen3NextGatedDeltaNet", "bamba": "BambaMixer", "mamba2
           "zamba2": "Zamba2MambaMixer", "jamba": "JambaMambaMixer"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ break table in ``test_hf.py::test_stages_match_eager_and_follow_the_bucket_plan`
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,14 +25,7 @@ from ppcompile.records import BreakKind  # noqa: E402
 OPTIONS = {"capture_sizes": [4, 8, 16], "graph_mode": "emulate"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
 
 
 def _model(family: str, **overrides: Any) -> torch.nn.Module:
