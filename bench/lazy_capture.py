@@ -11,6 +11,7 @@ Run alone: ``python bench/lazy_capture.py [--device cpu|cuda]``.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -58,7 +59,11 @@ def run_policies(device: str, on_row: Callable[[dict[str, Any]], None] | None = 
         # Capture is the graph path's ("auto" would run a CPU stage at the live size, capturing nothing).
         backend_options = {"graph_mode": graph_path_mode(torch.device(device).type), **options}
         compiled = torch.compile(stage, backend="pp_breakable", options=backend_options)
-        reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
+        reserved = 0
+        if device == "cuda":  # the previous row's graphs and buffers are freed now, not during this row
+            gc.collect()
+            torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved()
         before = ppcompile.counters.captures
         first = _forward(compiled, REFERENCE, [5, 6], device, first=True)
         first_captures = ppcompile.counters.captures - before
