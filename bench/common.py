@@ -187,6 +187,16 @@ class Batch:
         return sum(self.seq_lens)
 
 
+def capture_totals() -> dict[str, Any]:
+    """What every live stage runtime has captured so far: graphs, buckets, seconds and the CUDA caching
+    allocator's growth over the captures (``None`` off CUDA). A path's share is the difference across
+    its first call (the paths share one stage module, so they cannot be told apart by it)."""
+    records = [r for rt in ppcompile.stage_runtimes() for r in rt.capture_records() if r.failed is None]
+    measured = [r.measured_bytes for r in records if r.measured_bytes is not None]
+    return {"graphs": sum(r.graphs for r in records), "buckets": sum(len(r.buckets) for r in records),
+            "seconds": sum(r.seconds for r in records), "measured_bytes": sum(measured) if measured else None}
+
+
 class StageHarness:
     """One PP stage of a reference model and a compiled module per path, sharing its weights."""
 
@@ -201,6 +211,7 @@ class StageHarness:
         raise_recompile_limit(STAGE_RECOMPILE_LIMIT)  # its compiled paths share one forward code object
         self.modules: dict[str, Callable[..., Any]] = {p.name: self._build(p) for p in paths}
         self.compile_seconds: dict[str, float] = {}
+        self.captures: dict[str, dict[str, Any]] = {}  # pp_breakable paths: what their first call captured
         self.max_diffs: dict[str, float] = {}
         self.failed: dict[str, str] = {}
 
@@ -254,12 +265,17 @@ class StageHarness:
             passes = 2 if self.device.type == "cuda" else 1
         inductor_segments = path.options.get("segment_compiler") == "inductor"
         kernel_profile = _inductor_kernel_profile() if inductor_segments else _null()
+        before = capture_totals()
         start = time.perf_counter()
         try:
             with torch.inference_mode(), kernel_profile:
                 self.call(name, batches[0])
                 sync(self.device)
                 self.compile_seconds[name] = time.perf_counter() - start
+                if path.kind == "pp_breakable":
+                    after = capture_totals()
+                    self.captures[name] = {k: None if after[k] is None else after[k] - (before[k] or 0)
+                                           for k in after}
                 for _ in range(passes):
                     for b in batches:
                         self.call(name, b)

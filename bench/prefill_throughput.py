@@ -170,11 +170,22 @@ def _result(
                   "repeats": min(len(v) for v in runs[suite.caps[0]].values()),
                   "capture_cap": suite.capture_cap, "isl": suite.isl, "seed": seed},
         "paths": [{"name": n, "label": harness.paths[n].label, "graph_mode": harness.graph_mode(n),
-                   "compile_s": harness.compile_seconds.get(n), "max_diff": harness.max_diffs.get(n)}
+                   "compile_s": harness.compile_seconds.get(n), "max_diff": harness.max_diffs.get(n),
+                   "capture": harness.captures.get(n)}
                   for n in harness.modules],
         "failed": dict(harness.failed),
         "rows": rows,
     }
+
+
+def _captured(capture: dict[str, Any] | None) -> str:
+    """The capture part of a path's legend line: graphs, buckets, seconds and (CUDA) pool growth."""
+    if not capture or not capture.get("graphs"):
+        return ""
+    pool = capture.get("measured_bytes")
+    memory = f", pool {pool / 2**20:.0f} MiB" if pool is not None else ""
+    return (f", of which capture {capture['seconds']:.1f} s ({capture['graphs']} graphs, "
+            f"{capture['buckets']} buckets{memory})")
 
 
 def _si(x: float) -> str:
@@ -204,6 +215,7 @@ def markdown(result: dict[str, Any]) -> str:
     legend = "\n".join(
         f"- `{p['name']}`: {p['label']}; graphs: {p['graph_mode']}"
         + (f"; first call (compile + capture) {p['compile_s']:.1f} s" if p.get("compile_s") else "")
+        + _captured(p.get("capture"))
         + (f"; max abs diff vs eager {p['max_diff']:.1e}" if p.get("max_diff") is not None else "")
         for p in paths
     )

@@ -160,8 +160,9 @@ measurement for `pp_breakable`, on a reference-model stage (`ppcompile.models`):
   it), eager vs each `pp_breakable` variant (vs torch's `mode="reduce-overhead"` with Inductor graph
   partition at the attention op on a GPU), interleaved forward by forward in one process; tokens/s
   from each forward's median time over the repeats. `pp_breakable` captures its default ladder up to
-  8192 tokens (scaled with the caps) and runs larger forwards eagerly, as the seed does. On CPU the
-  caps are divided by a scale.
+  8192 tokens (scaled with the caps) and runs larger forwards eagerly, as the seed does; each path's
+  first call (compile and capture) is timed, with the capture's seconds, graphs and (CUDA) pool growth.
+  On CPU the caps are divided by a scale.
 - **Wall vs busy** (`bench/stage_profile.py`): per forward, wall time against busy time from
   `torch.profiler` (GPU: kernel intervals; CPU: outermost ATen compute ops and Inductor kernels).
 - **Host overhead** (`bench/overhead.py`): ppcompile's runtime cost per forward and per segment on a

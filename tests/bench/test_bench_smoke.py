@@ -113,6 +113,13 @@ def test_bench_command_runs_every_benchmark_and_writes_the_docs(tmp_path: Path) 
     capture_cap = tp["suite"]["capture_cap"]
     modes = {p["name"]: p["graph_mode"] for p in tp["paths"]}
     assert modes == {"eager": "-", "ppb": "emulate", "ppb-static": "eager"}  # the graph paths, on CPU
+    # Each pp_breakable path's own captures (the paths share one stage module): the same ladder each.
+    captures = {p["name"]: p["capture"] for p in tp["paths"]}
+    assert captures["eager"] is None
+    for name in ("ppb", "ppb-static"):
+        assert captures[name]["graphs"] > 0 and captures[name]["seconds"] >= 0, captures
+        assert captures[name]["measured_bytes"] is None  # CUDA only
+    assert captures["ppb"] == {**captures["ppb-static"], "seconds": captures["ppb"]["seconds"]}
     for row in tp["rows"]:
         assert set(row["tok_s"]) == {"eager", "ppb", "ppb-static"}
         assert all(v > 0 for v in row["tok_s"].values()) and row["ratio"]["eager"] == 1.0
