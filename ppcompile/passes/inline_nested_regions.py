@@ -79,23 +79,32 @@ def _lift_attr(gm: torch.fx.GraphModule, value: Any, lifted: dict[int, str]) -> 
     return name
 
 
-def _innermost_path(node: torch.fx.Node) -> str | None:
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    entry = stack[-1] if stack else None
+def _innermost(stack: dict[str, Any] | None) -> str | None:
+    entries = list((stack or {}).values())
+    entry = entries[-1] if entries else None
     return str(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
 
 
-def _restacked(meta: dict[str, Any], traced_at: str | None, called_at: str | None) -> dict[str, Any]:
-    """``meta`` with the module paths under ``traced_at`` (the call the subgraph was traced for) moved
-    under ``called_at`` (this call)."""
+def _innermost_path(node: torch.fx.Node) -> str | None:
+    return _innermost(node.meta.get("nn_module_stack"))
+
+
+def _restacked(
+    meta: dict[str, Any], traced_at: str | None, call_stack: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``meta`` with its module stack re-rooted at this call: the call's own stack (``call_stack``,
+    ending at the module called), then the entries below ``traced_at`` (the module of the call the
+    subgraph was traced for), moved under this call's module. The entries from the traced call's stack
+    above the region (its layer, say) are that call's, not this one's, and are dropped."""
     stack = meta.get("nn_module_stack")
+    called_at = _innermost(call_stack)
     if not stack or traced_at is None or called_at is None or traced_at == called_at:
         return meta
-    moved = {}
+    moved = dict(call_stack or {})
     for key, entry in stack.items():
-        if isinstance(entry, tuple) and len(entry) == 2 and str(entry[0]).startswith(traced_at):
-            entry = (called_at + str(entry[0])[len(traced_at):], entry[1])
-        moved[key] = entry
+        path = str(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
+        if path is not None and path.startswith(traced_at) and path != traced_at:
+            moved[key] = (called_at + path[len(traced_at):], entry[1])
     return {**meta, "nn_module_stack": moved}
 
 
@@ -104,7 +113,7 @@ def _inline_call(
     traced_at: str | None,
 ) -> None:
     graph = gm.graph
-    called_at = _innermost_path(node)
+    call_stack = node.meta.get("nn_module_stack")
     env: dict[torch.fx.Node, Any] = {}
     placeholders = list(sub.graph.find_nodes(op="placeholder"))
     operands = node.args[2:]  # (subgraph, identifier, *operands); older torch: one operands tuple
@@ -127,14 +136,14 @@ def _inline_call(
                 for part in str(sn.target).split("."):
                     value = getattr(value, part)
                 copied = graph.get_attr(_lift_attr(gm, value, lifted))
-                copied.meta = dict(sn.meta)
+                copied.meta = _restacked(dict(sn.meta), traced_at, call_stack)
                 env[sn] = copied
                 continue
             if sn.op == "call_function" and sn.target is _REGION_COPY:  # a copy for Dynamo only
                 env[sn] = env[sn.args[0]]
                 continue
             env[sn] = graph.node_copy(sn, lambda n: env[n])
-            env[sn].meta = _restacked(dict(sn.meta), traced_at, called_at)
+            env[sn].meta = _restacked(dict(sn.meta), traced_at, call_stack)
     outs = [env[r] if isinstance(r, torch.fx.Node) else r for r in results]
     for user in list(node.users):
         if user.op != "call_function" or user.target is not operator.getitem:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -164,3 +165,46 @@ def test_a_region_holding_a_break_op_splits_there_once_inlined() -> None:
                 torch.testing.assert_close(compiled(x), m(x))
     rt = ppcompile.stage_runtimes()[-1]
     assert [s.is_graph for s in rt.segments] == [True, False] * 3 + [True]
+
+
+class IdLayer(nn.Module):
+    """A layer with a per-layer constant (so ``trace_layers_once`` makes its MLP, not the layer, a region)."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.mlp = nn.Sequential(nn.Linear(H, 2 * H), nn.ReLU(), nn.Linear(2 * H, H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) * (self.layer_id + 1)
+
+
+class IdStack(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(IdLayer(i) for i in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_each_inlined_copy_is_stacked_under_its_own_call_only() -> None:
+    """Every module on an inlined node's stack is its own call's: the layer the region was traced in (and
+    its ancestors above the region) must not stay on the other calls' copies, or passes that name a
+    region by its outermost module (declared token-local layers, library regions) mix layers up."""
+    m = ppcompile.trace_layers_once(IdStack(3))
+    gm, inputs = _graph(m, torch.randn(5, H))
+    assert len(_hops(gm)) == 3
+    out = inline_nested_regions(gm, make_ctx(gm, inputs)).graph_module
+    linears = [n for n in out.graph.nodes if n.target is torch._C._nn.linear]
+    assert len(linears) == 6
+    called: list[str] = []
+    for node in linears:
+        paths = [str(entry[0]) for entry in node.meta["nn_module_stack"].values()]
+        layers = {m.group(1) for p in paths if (m := re.search(r"layers[.\[](\d+)", p))}
+        assert len(layers) == 1, (node.name, paths)  # one layer index on the whole stack
+        called += layers
+    assert called == ["0", "0", "1", "1", "2", "2"]  # each copy under its own call's layer
