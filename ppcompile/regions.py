@@ -234,10 +234,11 @@ def opaque_module(module: nn.Module) -> nn.Module:
     it is called with one tensor and every other argument its ``forward`` names ``None`` (a prefill
     stage's mixer: no cache, no mask); keywords it does not name, which its ``**kwargs`` would take, are
     dropped (HF layers pass such extras on to mixers that ignore them). Called with more, it runs as
-    before (an HF model's ``generate``). The op calls the class's
-    ``forward`` eagerly and must get back a tensor of the input's shape, dtype and device (checked).
-    In ``pp_breakable`` it is one break on the live rows. Returns ``module``; declaring twice is a no-op.
-    Declare before the first call of the compiled stage: it replaces the instance's ``forward``."""
+    before (an HF model's ``generate``). The op calls the class's ``forward`` eagerly and must get back a
+    tensor of the input's shape, dtype and device (checked); it has no autograd formula (a prefill
+    forward). In ``pp_breakable`` it is one break on the live rows. Returns ``module``; declaring twice
+    is a no-op. Declare before the first call of the compiled stage: it replaces the instance's
+    ``forward``."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"opaque_module: expected an nn.Module instance, got {type(module).__name__}")
     if getattr(module.forward, "__pp_opaque__", False):
