@@ -121,22 +121,32 @@ names, the one label of their region). Unlike a declared eager region, a library
 itself: its ops stay in graphs unless one of them must break (a padding-unsafe op), and then the whole
 region is one break instead of a break per op."""
 LIBRARY_PREFIX = "library region: "
-LIBRARY_MODULES: frozenset[str] = frozenset(f"transformers.models.{path}" for path in (
+OPAQUE_LIBRARY_MIXERS: frozenset[str] = frozenset(f"transformers.models.{path}" for path in (
+    # Traced by Dynamo, their torch code fixes the token count or its class. Mamba's selective scan
+    # (without the mamba_ssm kernels) loops over the tokens, or runs associative_scan, which specialises
+    # the count; the Mamba-2 chunked scans pad to the chunk size behind ``if pad_size > 0``, so Dynamo
+    # guards on the count's residue class and traces a stage graph per class.
+    "mamba.modeling_mamba.MambaMixer", "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer",
+    "jamba.modeling_jamba.JambaMambaMixer", "zamba.modeling_zamba.ZambaMambaMixer",
+    "mamba2.modeling_mamba2.Mamba2Mixer", "bamba.modeling_bamba.BambaMixer",
+    "falcon_h1.modeling_falcon_h1.FalconH1Mixer", "zamba2.modeling_zamba2.Zamba2MambaMixer",
+    "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+    "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
+))
+"""Library mixer classes (``module.QualName``) that :func:`opaque_library_mixers` makes opaque."""
+LIBRARY_MODULES: frozenset[str] = OPAQUE_LIBRARY_MIXERS | frozenset(
+    f"transformers.models.{path}" for path in (
     # State-space and short-convolution mixers: written in torch (no mamba_ssm / causal_conv1d kernels),
     # a chunked scan pads the tokens to the chunk size, folds them into chunks, takes segment sums and
     # cumsums across them: a break per row-mixing op. As a library region each mixer is one break,
-    # run eagerly on the live rows, so the states it computes never see padding.
-    "mamba.modeling_mamba.MambaMixer", "mamba2.modeling_mamba2.Mamba2Mixer",
-    "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer", "bamba.modeling_bamba.BambaMixer",
-    "falcon_h1.modeling_falcon_h1.FalconH1Mixer", "jamba.modeling_jamba.JambaMambaMixer",
-    "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
-    "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer", "zamba.modeling_zamba.ZambaMambaMixer",
+    # run eagerly on the live rows, so the states it computes never see padding. The Mamba and Mamba-2
+    # mixers (``OPAQUE_LIBRARY_MIXERS``) are library regions too, and these:
     # Qwen3-Next's gated DeltaNet: transformers 5.25 splits and re-joins its tokens around the chunked
     # scan (tensor_split, cat); as one region the layer is one break in every release.
     "qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
-    "zamba2.modeling_zamba2.Zamba2MambaMixer", "lfm2.modeling_lfm2.Lfm2ShortConv",
-    "lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
-))
+    "lfm2.modeling_lfm2.Lfm2ShortConv", "lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
+    )
+)
 """Module classes (``module.QualName``) whose instances are library regions, one per instance."""
 
 
@@ -191,20 +201,6 @@ def undeclare(target: type[nn.Module] | nn.Module | Callable[..., Any]) -> None:
     elif getattr(target.forward, "__pp_token_local__", None) is not None:
         del target.forward  # the instance attribute: the class's forward shows again
 
-
-OPAQUE_LIBRARY_MIXERS: frozenset[str] = frozenset(f"transformers.models.{path}" for path in (
-    # Traced by Dynamo, their torch code fixes the token count or its class. Mamba's selective scan
-    # (without the mamba_ssm kernels) loops over the tokens, or runs associative_scan, which specialises
-    # the count; the Mamba-2 chunked scans pad to the chunk size behind ``if pad_size > 0``, so Dynamo
-    # guards on the count's residue class and traces a stage graph per class.
-    "mamba.modeling_mamba.MambaMixer", "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer",
-    "jamba.modeling_jamba.JambaMambaMixer", "zamba.modeling_zamba.ZambaMambaMixer",
-    "mamba2.modeling_mamba2.Mamba2Mixer", "bamba.modeling_bamba.BambaMixer",
-    "falcon_h1.modeling_falcon_h1.FalconH1Mixer", "zamba2.modeling_zamba2.Zamba2MambaMixer",
-    "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
-    "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
-))
-"""Library mixer classes (``module.QualName``) that :func:`opaque_library_mixers` makes opaque."""
 
 _OPAQUE: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
 
