@@ -1,4 +1,5 @@
-"""Every private torch API ppcompile uses, behind one named entry each.
+"""Every private torch API ppcompile uses, behind one named entry each (this package;
+``lookup`` holds the lookups every entry goes through).
 
 Nothing else in ``ppcompile`` touches ``torch._*``, ``torch.utils._*`` or ``torch.fx.experimental``
 (``tests/test_torch_internals.py`` checks it, and calls every entry on the installed torch). An entry whose
@@ -12,7 +13,6 @@ none needs a per-version branch.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -21,6 +21,9 @@ import sympy
 import torch
 
 from ppcompile.errors import add_note
+from ppcompile.torch_internals.lookup import TorchInternalsError
+from ppcompile.torch_internals.lookup import attr as _attr
+from ppcompile.torch_internals.lookup import lookup as _lookup
 
 __all__ = [
     "C_SCALED_DOT_PRODUCT_ATTENTION", "OpOverload", "OpOverloadPacket", "TorchInternalsError",
@@ -36,37 +39,6 @@ __all__ = [
     "sympy_interp_python", "trace_artifact", "tracing_context", "tree_leaves", "without_dynamo_disable",
     "written_arguments",
 ]
-
-
-class TorchInternalsError(RuntimeError):
-    """The installed torch lacks a private API ppcompile relies on."""
-
-
-def _missing(name: str, why: str) -> TorchInternalsError:
-    return TorchInternalsError(
-        f"ppcompile: torch {torch.__version__} has no {name}, which ppcompile uses {why}. ppcompile "
-        "supports torch>=2.11; install a supported torch, or report this torch version as unsupported"
-    )
-
-
-def _attr(obj: Any, path: str, owner: str, why: str) -> Any:
-    """``obj.<path>`` (dotted), or a :class:`TorchInternalsError` naming ``owner.<path>``."""
-    for part in path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise _missing(f"{owner}.{path}", why) from e
-    return obj
-
-
-def _lookup(module: str, path: str, why: str) -> Any:
-    """``module.<path>`` as it is now (read per call, so a patched attribute is seen); a missing module
-    or attribute raises, naming it."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise _missing(f"module {module}", why) from e
-    return _attr(mod, path, module, why)
 
 
 # ------------------------------------------------------------------------- bound at import
