@@ -58,6 +58,7 @@ CFG = ModelConfig()  # hidden 64, MLP 128, 4/2 heads x 16: narrow, so small forw
 PP = 3  # a middle stage: proxies in and out
 REGIONS = " + regions"  # the stage's layers marked as nested compile regions by hand (traced once)
 ONCE = " + once"  # ppcompile.trace_layers_once on the unchanged stage
+WARM_START = " + warm start"  # ppcompile.warm_compile instead of torch.compile (its cache dir: the env's)
 COMPILERS = ("eager", "inductor", "inductor" + REGIONS)
 NO_DEDUP = " (no dedup)"  # the Inductor row with sharing off: what compiling every segment costs
 NO_DISK_CACHES = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -114,7 +115,9 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
     if compiler.endswith(ONCE):
         ppcompile.trace_layers_once(stage)
     # Capture is the graph path's: its CPU emulation here ("auto" would serve at the live size, no capture).
-    segment_compiler = compiler.removesuffix(NO_DEDUP).removesuffix(REGIONS).removesuffix(ONCE)
+    warm_start = compiler.endswith(WARM_START)
+    segment_compiler = compiler.removesuffix(WARM_START).removesuffix(NO_DEDUP).removesuffix(REGIONS) \
+        .removesuffix(ONCE)
     options: dict[str, Any] = {"segment_compiler": segment_compiler, "graph_mode": "emulate"}
     if compiler.endswith(NO_DEDUP):
         options["dedup_segments"] = False
@@ -124,12 +127,17 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
     _, pos, proxies = make_batch(cfg, [n], 1, PP)
     ctx = make_forward_context([n], cfg, range(stage.start_layer, stage.end_layer))
     start = time.perf_counter()
-    compiled = torch.compile(stage, backend="pp_breakable", options=options)
+    if warm_start:
+        compiled: Any = ppcompile.warm_compile(stage, options)
+    else:
+        compiled = torch.compile(stage, backend="pp_breakable", options=options)
     ppcompile.mark_token_dynamic(pos, proxies)
     with torch.inference_mode(), set_forward_context(ctx):
         compiled(None, pos, pp_proxy_tensors=proxies)
     total = time.perf_counter() - start
     (runtime,) = [rt for rt in ppcompile.stage_runtimes() if rt.eager_reason is None]
+    warm: dict[str, Any] = {"read_back": compiled.load_seconds(), "artifacts_loaded": compiled.loaded,
+                            "fallback": compiled.fallback_reason} if warm_start else {}
     times = dict(runtime.compiled.record.compile_times)
     records = runtime.compiled.record.segment_compiles
     captures = capture_records(runtime)
@@ -143,7 +151,7 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
         "region_traces": len(runtime.compiled.record.region_traces),
         "graph_segments": sum(st.segment.is_graph for st in runtime.program.steps),
         "buckets": len(runtime.plan.sizes),
-        "unique_compiles": sum(not r.reused for r in records),
+        "unique_compiles": sum(not r.reused for r in records), **warm,
     }
 
 

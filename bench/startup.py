@@ -12,8 +12,12 @@ stage's compile record and capture records.
 - **warm**: the caches on, in a cache directory of the row's own that one process of the same stage
   filled just before: what a restart of the same stage costs.
 
+- **store / restart**: ``ppcompile.warm_compile`` in a cache directory of the row's own (ppcompile's
+  and Inductor's): the first process traces and stores the stage graph, the second reads it back
+  and skips Dynamo's trace.
+
 Prints the table and the issue's targets (cold, 32 vs 4 layers: at most 1.5x with eager segments and
-1.3x with Inductor's, traced once; warm at most 0.25x cold). Run: ``python bench/startup.py [--write]``
+1.3x with Inductor's, traced once; a restart at most 0.25x cold). Run: ``python bench/startup.py [--write]``
 (``--write`` updates the "Startup" section of docs/benchmarks.md); ``--quick`` is a smoke run.
 """
 
@@ -30,13 +34,14 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.compile_time import NO_DISK_CACHES, ONCE, run_child
+from bench.compile_time import NO_DISK_CACHES, ONCE, WARM_START, run_child
 from bench.report import describe_machine, machine_info, markdown_table, save_json, update_markdown_section
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "bench" / "results" / "cpu" / "startup.json"
 COMPILERS = ("eager", "eager" + ONCE, "inductor", "inductor" + ONCE)
+RESTARTS = ("eager", "inductor")  # ppcompile.warm_compile: flat traces (aot_compile refuses a patched layer)
 TARGETS = {"eager" + ONCE: 1.5, "inductor" + ONCE: 1.3}  # cold, most layers vs fewest
 WARM_TARGET = 0.25  # warm first call / cold first call
 
@@ -64,6 +69,15 @@ def measure(layers: Sequence[int], repeats: int, max_tokens: int | None) -> list
                 rows += [{**cold, "start": "cold"}, {**warm, "start": "warm"}]
                 print(f"{n:3d} layers {compiler:16s} cold {cold['total']:6.2f} s  "
                       f"warm {warm['total']:6.2f} s", file=sys.stderr)
+            for compiler in RESTARTS:
+                tag = f"{n}-{compiler}"
+                env = {**base, "TORCHINDUCTOR_CACHE_DIR": f"{root}/restart-{tag}",
+                       "PPCOMPILE_CACHE_DIR": f"{root}/ppcompile-{tag}"}
+                store = _child(n, compiler + WARM_START, env, max_tokens)  # stores the artifact
+                restart = _child(n, compiler + WARM_START, env, max_tokens)
+                rows += [{**store, "start": "store"}, {**restart, "start": "restart"}]
+                print(f"{n:3d} layers {compiler + WARM_START:16s} store {store['total']:6.2f} s  "
+                      f"restart {restart['total']:6.2f} s", file=sys.stderr)
     return rows
 
 
@@ -80,12 +94,16 @@ def render(results: dict[str, Any]) -> str:
            "fresh process per row. `+ once`: `ppcompile.trace_layers_once(stage)` before `torch.compile` "
            "(the model's code unchanged). Cold: Inductor's on-disk caches off (best of "
            f"{results['repeats']}); warm: caches on, after one process of the same stage filled them. "
-           "Regions: calls through nested compile regions / distinct traces of them.", ""]
+           "`+ warm start`: `ppcompile.warm_compile(stage, options)` instead of `torch.compile`, in a "
+           "cache directory of its own (ppcompile's and Inductor's); store: its first process, which "
+           "traces and stores; restart: the next process, which reads the stored stage graph back "
+           "(read back) and skips Dynamo's trace. Regions: calls through nested compile regions / "
+           "distinct traces of them.", ""]
     table = [[r["layers"], r["compiler"], r["start"], f"{r['region_calls']} / {r['region_traces']}",
-              _fmt(r["dynamo_trace"]), _fmt(r["passes"]), _fmt(r["segment_compile"]), _fmt(r["capture"]),
-              _fmt(r["total"])] for r in rows]
-    out.append(markdown_table(["layers", "segments", "start", "regions", "dynamo trace", "passes",
-                               "segment compile", "capture", "first call"], table))
+              *(_fmt(r.get(k)) for k in ("dynamo_trace", "read_back", "passes", "segment_compile", "capture",
+                                         "total"))] for r in rows]
+    out.append(markdown_table(["layers", "segments", "start", "regions", "dynamo trace", "read back",
+                               "passes", "segment compile", "capture", "first call"], table))
     out += ["", "### Against the targets", ""]
     out += _targets(rows)
     return "\n".join(out) + "\n"
@@ -110,8 +128,13 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
         hi = layers[-1]
         cold, warm = by[(hi, compiler, "cold")], by[(hi, compiler, "warm")]
         ratio = warm["total"] / cold["total"]
-        lines.append(f"- warm vs cold, {compiler} segments, {hi} layers: {ratio:.2f}x (target <= "
-                     f"{WARM_TARGET}x: {'met' if ratio <= WARM_TARGET else 'not met'}).")
+        lines.append(f"- warm vs cold, {compiler} segments, {hi} layers, torch's caches alone: {ratio:.2f}x.")
+    for compiler in RESTARTS:
+        for n in layers:
+            cold, restart = by[(n, compiler, "cold")], by[(n, compiler + WARM_START, "restart")]
+            ratio = restart["total"] / cold["total"]
+            lines.append(f"- restart vs cold, {compiler} segments, {n} layers: {ratio:.2f}x "
+                         f"(target <= {WARM_TARGET}x: {'met' if ratio <= WARM_TARGET else 'not met'}).")
     return lines
 
 

@@ -9,6 +9,8 @@ from ppcompile import envs
 from ppcompile.analysis.op_matching import register_attention_op
 from ppcompile.analysis.token_locality import register_token_local_op
 from ppcompile.backends.pp_breakable import pp_breakable, runtimes_of, stage_runtimes
+from ppcompile.backends.warm_cache import clear_warm_cache, warm_cache_dir
+from ppcompile.backends.warm_start import WarmStage, warm_compile
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.dynamic import mark_token_dynamic
@@ -37,6 +39,8 @@ __all__ = [
     "ReplayAddressError",
     "StaleOutputError",
     "TokenHistogram",
+    "WarmStage",
+    "clear_warm_cache",
     "counters",
     "eager_region",
     "fence_outputs",
@@ -53,6 +57,8 @@ __all__ = [
     "token_histogram",
     "token_local",
     "trace_layers_once",
+    "warm_cache_dir",
+    "warm_compile",
 ]
 __version__ = "0.1.0"
 

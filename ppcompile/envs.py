@@ -10,7 +10,8 @@ __all__ = ["cache_dir", "dump_dir", "log_level", "progress"]
 
 def cache_dir() -> str:
     """``PPCOMPILE_CACHE_DIR``: where ppcompile writes the kernel sources it generates (Triton compiles from
-    source files); default ``ppcompile-<uid>`` under the system's temporary directory."""
+    source files) and warm-restart artifacts (``stages/``); default ``ppcompile-<uid>`` under the system's
+    temporary directory."""
     value = os.environ.get("PPCOMPILE_CACHE_DIR")
     if value:
         return value

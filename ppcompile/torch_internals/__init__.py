@@ -1,5 +1,5 @@
 """Every private torch API ppcompile uses, behind one named entry each (this package;
-``lookup`` holds the lookups every entry goes through).
+``lookup`` holds the lookups every entry goes through, ``precompile`` the entries of warm restarts).
 
 Nothing else in ``ppcompile`` touches ``torch._*``, ``torch.utils._*`` or ``torch.fx.experimental``
 (``tests/test_torch_internals.py`` checks it, and calls every entry on the installed torch). An entry whose

@@ -1,0 +1,199 @@
+"""A Dynamo stage graph to bytes and back, with the node metadata ppcompile's passes read.
+
+Dynamo's graph carries fake values over its shape env, module stacks, stack traces, annotations and each
+input's source. Pickled as they are, they drag the whole trace along (its shape env, weak references);
+so each node is written as its op, name, target (an operator by its name under ``torch.ops``),
+arguments (other nodes by name) and type, and its metadata as plain data: a fake tensor as its sizes,
+strides and offset (integers or sympy expressions of the trace's symbols), dtype, device and whether it
+is an inference tensor (Inductor's and AOTAutograd's cache keys read all of these, and the node types);
+an input's source as its name. Reading it back rebuilds fake values in a fresh shape env with the traced
+symbols, their hints and the trace's shape guards, so the passes see what they saw in the first process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+import sympy
+import torch
+
+from ppcompile.torch_internals import current_shape_env
+from ppcompile.torch_internals.precompile import (
+    fake_tensor,
+    new_fake_mode,
+    operator_name,
+    operator_named,
+    shape_env_state,
+    symbolic_value,
+)
+
+__all__ = ["GraphCodecError", "InputSource", "dumps_stage_graph", "loads_stage_graph"]
+
+_KEPT = ("nn_module_stack", "stack_trace", "custom")  # plain data, as Dynamo wrote them
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+class GraphCodecError(ValueError):
+    """The stage graph holds a value the codec cannot write (the stage then compiles as usual)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSource:
+    """What the passes read of Dynamo's ``meta["grapharg"]``: the input's source and whether a Python
+    scalar was passed as a tensor."""
+
+    source: _Source | None
+    pass_arg_as_tensor: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sym:
+    kind: type
+    expr: sympy.Basic
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    size: tuple[Any, ...]
+    stride: tuple[Any, ...]
+    offset: Any
+    dtype: torch.dtype
+    device: str
+    parameter: bool
+    requires_grad: bool
+    inference: bool
+
+
+def _size(x: Any) -> Any:
+    return _Sym(type(x), x.node.expr) if isinstance(x, _SYMBOLIC) else x
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Tensor(tuple(_size(s) for s in value.shape), tuple(_size(s) for s in value.stride()),
+                       _size(value.storage_offset()), value.dtype, str(value.device),
+                       isinstance(value, torch.nn.Parameter), value.requires_grad, value.is_inference())
+    if isinstance(value, _SYMBOLIC):
+        return _size(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_encode(v) for v in value)
+    if isinstance(value, _PLAIN):
+        return value
+    raise GraphCodecError(f"a node's traced value is a {type(value).__name__}, which the codec cannot write")
+
+
+class _Decoder:
+    """Fake values in one fake mode; one SymInt per distinct expression."""
+
+    def __init__(self, fake_mode: Any) -> None:
+        self.fake_mode = fake_mode
+        self._symbols: dict[_Sym, Any] = {}
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, _Sym):
+            if value not in self._symbols:
+                self._symbols[value] = symbolic_value(self.fake_mode, value.expr, value.kind)
+            return self._symbols[value]
+        if isinstance(value, _Tensor):
+            with torch.inference_mode(value.inference):  # Inductor's and AOTAutograd's keys see it
+                size, stride = [self(s) for s in value.size], [self(s) for s in value.stride]
+                t = fake_tensor(self.fake_mode, size, stride, self(value.offset), value.dtype, value.device)
+                return torch.nn.Parameter(t, value.requires_grad) if value.parameter else t
+        if isinstance(value, (tuple, list)):
+            return type(value)(self(v) for v in value)
+        return value
+
+
+def _input_source(grapharg: Any) -> InputSource:
+    source = getattr(grapharg, "source", None)
+    return InputSource(None if source is None else _Source(str(source.name)),
+                       bool(getattr(grapharg, "pass_arg_as_tensor", False)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """An argument that is another node, by name."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operator:
+    """A node target that is a torch operator, by its name under ``torch.ops``."""
+
+    name: str
+
+
+def _node_record(node: torch.fx.Node) -> tuple[Any, ...]:
+    op_name = operator_name(node.target)
+    target = _Operator(op_name) if op_name is not None else node.target
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(n.name))  # type: ignore[arg-type,return-value]
+    return node.op, node.name, target, args, kwargs, node.type
+
+
+def _rebuild_graph(records: list[tuple[Any, ...]]) -> torch.fx.Graph:
+    graph = torch.fx.Graph()
+    nodes: dict[str, torch.fx.Node] = {}
+
+    def arg(value: Any) -> Any:
+        if isinstance(value, _Ref):
+            return nodes[value.name]
+        if isinstance(value, (tuple, list)):
+            return type(value)(arg(v) for v in value)
+        if isinstance(value, dict):
+            return {k: arg(v) for k, v in value.items()}
+        if isinstance(value, slice):
+            return slice(arg(value.start), arg(value.stop), arg(value.step))
+        return value
+
+    for op, name, target, args, kwargs, type_expr in records:
+        if isinstance(target, _Operator):
+            target = operator_named(target.name)
+        node = graph.create_node(op, target, arg(args), arg(kwargs), name=name, type_expr=type_expr)
+        if node.name != name:
+            raise GraphCodecError(f"node {name} was read back as {node.name}")
+        nodes[name] = node
+    return graph
+
+
+def dumps_stage_graph(gm: torch.fx.GraphModule) -> bytes:
+    """``gm`` (Dynamo's graph, during its trace) as bytes. Raises :class:`GraphCodecError` for a graph it
+    cannot write."""
+    shape_env = current_shape_env()
+    if shape_env is None:
+        raise GraphCodecError("no Dynamo trace is in progress: its shape env holds the graph's symbols")
+    records, metas = [], []
+    for node in gm.graph.nodes:
+        meta = {k: node.meta[k] for k in _KEPT if k in node.meta}
+        if "example_value" in node.meta:
+            meta["example_value"] = _encode(node.meta["example_value"])
+        if "grapharg" in node.meta:
+            meta["grapharg"] = _input_source(node.meta["grapharg"])
+        records.append(_node_record(node))
+        metas.append(meta)
+    attrs = {n.target: getattr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    try:
+        return pickle.dumps((records, metas, attrs, shape_env_state(shape_env)))
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise GraphCodecError(f"the stage graph does not pickle: {e}") from e
+
+
+def loads_stage_graph(data: bytes) -> tuple[torch.fx.GraphModule, Any]:
+    """The graph :func:`dumps_stage_graph` wrote, with its metadata, and the fake mode of its values."""
+    records, metas, attrs, state = pickle.loads(data)
+    graph = _rebuild_graph(records)
+    fake_mode = new_fake_mode(state)
+    decode = _Decoder(fake_mode)
+    for node, meta in zip(graph.nodes, metas, strict=True):
+        if "example_value" in meta:
+            meta["example_value"] = decode(meta["example_value"])
+        node.meta = meta
+    return torch.fx.GraphModule(attrs, graph), fake_mode

@@ -1,0 +1,245 @@
+"""``ppcompile.warm_compile``: a stage whose compile a restart of the process reuses.
+
+``torch.compile(stage, backend="pp_breakable")`` traces the stage with Dynamo in every process, and the
+trace grows with the layer count. ``warm_compile`` traces it ahead of time instead (Dynamo's
+``aot_compile``, whole graph) and stores the result: Dynamo's bytecode and guards, and the stage graph
+as Dynamo handed it to the backend (``graph_codec``). A later process with the same key
+(``warm_cache``) loads it, checks its guards, and on the first call runs ppcompile's passes, segment
+compiles and capture on the stored graph, skipping the trace. A call whose guards fail compiles and
+stores one more artifact, as Dynamo would recompile. A stage that cannot be traced whole, or whose graph
+cannot be stored, is served as ``torch.compile`` serves it, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppcompile.proxy import PPProxyTensors
+from ppcompile.runtime.stage_runtime import StageRuntime
+from ppcompile.torch_internals import tracing_context
+from ppcompile.torch_internals.precompile import (
+    SerializableCallable,
+    aot_compile,
+    aot_guard_check,
+    aot_traced_modules,
+    dumps_aot,
+    loads_aot,
+)
+
+from .graph_codec import GraphCodecError, dumps_stage_graph, loads_stage_graph
+from .pp_breakable import pp_breakable
+from .warm_cache import module_digests, read_entries, stage_key, warm_cache_dir, write_entries
+
+__all__ = ["MAX_ENTRIES", "StoredGraphError", "StoredStageGraph", "WarmStage", "warm_compile"]
+
+log = logging.getLogger(__name__)
+
+MAX_ENTRIES = 8  # artifacts per stage (guard sets, as Dynamo's recompiles); beyond, torch.compile serves
+# While artifacts are read: the options their graphs compile with, and the list each read graph joins.
+_LOADING: contextvars.ContextVar[tuple[Mapping[str, Any], list[StoredStageGraph]] | None] = \
+    contextvars.ContextVar("ppcompile_warm_loading", default=None)
+
+
+class StoredGraphError(RuntimeError):
+    """A stored stage graph did not compile again (the artifact is then dropped, and the stage traced)."""
+
+
+class StoredStageGraph(SerializableCallable):
+    """The backend's result under ``aot_compile``: a stage runtime that serializes as the Dynamo graph
+    it was compiled from. Read back, it compiles that graph on its first call (the call's inputs are
+    what Dynamo would have passed the backend)."""
+
+    def __init__(self, graph: bytes | None, options: Mapping[str, Any] | None,
+                 runtime: StageRuntime | None, why_not_stored: str | None = None) -> None:
+        self.graph, self.options, self.runtime, self.why_not_stored = graph, options, runtime, why_not_stored
+        self.load_seconds: float | None = None
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: StoredStageGraph) -> bytes:
+        if fn.graph is None:
+            raise GraphCodecError(fn.why_not_stored or "the stage graph was not kept")
+        return fn.graph
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> StoredStageGraph:
+        loading = _LOADING.get()
+        if loading is None:
+            raise RuntimeError("a ppcompile stage graph is read back by ppcompile.warm_compile only")
+        options, graphs = loading
+        graph = cls(data, options, None)
+        graphs.append(graph)
+        return graph
+
+    def __call__(self, *args: Any) -> Any:
+        if self.runtime is None:
+            assert self.graph is not None
+            try:
+                start = time.perf_counter()
+                gm, fake_mode = loads_stage_graph(self.graph)
+                self.load_seconds = time.perf_counter() - start
+                with tracing_context(fake_mode):
+                    self.runtime = pp_breakable(gm, list(args), self.options)
+            except Exception as e:
+                raise StoredGraphError(f"{type(e).__name__}: {e}") from e
+        return self.runtime(*args)
+
+
+def _backend(options: Mapping[str, Any], graphs: list[StoredStageGraph]) -> Any:
+    def compile_stage(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> StoredStageGraph:
+        try:
+            graph, why = dumps_stage_graph(gm), None  # before the passes, which rewrite gm
+        except GraphCodecError as e:
+            graph, why = None, str(e)
+        stored = StoredStageGraph(graph, options, pp_breakable(gm, example_inputs, options), why)
+        graphs.append(stored)
+        return stored
+
+    return compile_stage
+
+
+def _call_stage(stage: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return stage(*args, **kwargs)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, (dict, PPProxyTensors)):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+@contextlib.contextmanager
+def _loading(options: Mapping[str, Any], graphs: list[StoredStageGraph]) -> Iterator[None]:
+    token = _LOADING.set((options, graphs))
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+@dataclasses.dataclass
+class _Artifact:
+    """One stored compile: its bytes (None when it could not be stored), the digests of the modules it
+    traced, and the compiled function once read back (an artifact is read when a call first needs it)."""
+
+    data: bytes | None
+    digests: dict[str, str | None]
+    compiled: Any = None
+
+
+class WarmStage:
+    """``stage`` compiled by ``pp_breakable`` with warm restarts; call it as the stage.
+
+    ``loaded``: artifacts read back from the cache; ``compiled``: artifacts traced in this process;
+    ``path``: the cache file; ``fallback_reason``: why ``torch.compile`` serves the stage instead, or
+    None."""
+
+    def __init__(self, stage: torch.nn.Module, options: Mapping[str, Any] | None = None,
+                 name: str | None = None) -> None:
+        self.stage, self.options = stage, dict(options or {})
+        self.key = stage_key(stage, self.options, name)
+        self.path: Path = warm_cache_dir() / f"{self.key}.bin"
+        self.loaded = self.compiled = 0
+        self.fallback_reason: str | None = None
+        self._artifacts: list[_Artifact] | None = None  # read from the file at the first call
+        self._graphs: list[StoredStageGraph] = []
+        self._fallback: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fallback is not None:
+            return self._fallback(*args, **kwargs)
+        if self._artifacts is None:
+            self._artifacts = [_Artifact(data, digests) for data, digests in read_entries(self.key)]
+        call = (self.stage, *args)
+        tensors = list(_tensors((args, kwargs)))
+        for artifact in list(self._artifacts):
+            compiled = artifact.compiled if artifact.compiled is not None else self._read_back(artifact)
+            if compiled is None or not aot_guard_check(compiled, call, kwargs, tensors):
+                continue
+            try:
+                return compiled(*call, **kwargs)
+            except StoredGraphError as e:
+                self._drop(artifact, "does not compile again", e)
+        compiled = self._compile(call, kwargs)
+        if compiled is None:
+            return self(*args, **kwargs)  # served by torch.compile from now on
+        return compiled(*call, **kwargs)
+
+    def runtimes(self) -> list[StageRuntime]:
+        """The stage runtimes built so far (an artifact builds its runtime on its first call)."""
+        return [g.runtime for g in self._graphs if g.runtime is not None]
+
+    def load_seconds(self) -> float:
+        """Seconds spent reading stored stage graphs back (their first calls)."""
+        return sum(g.load_seconds or 0.0 for g in self._graphs)
+
+    def _read_back(self, artifact: _Artifact) -> Any:
+        assert self._artifacts is not None and artifact.data is not None
+        try:
+            with _loading(self.options, self._graphs):
+                artifact.compiled = loads_aot(artifact.data)
+        except Exception as e:
+            self._drop(artifact, "does not load", e)
+            return None
+        self.loaded += 1
+        return artifact.compiled
+
+    def _drop(self, artifact: _Artifact, what: str, error: Exception) -> None:
+        assert self._artifacts is not None
+        log.warning("warm restart: a stored artifact of %s %s (%s: %s); it is dropped and the stage "
+                    "compiled afresh", type(self.stage).__name__, what, type(error).__name__, error)
+        self._artifacts.remove(artifact)
+
+    def _compile(self, call: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        assert self._artifacts is not None
+        if len(self._artifacts) >= MAX_ENTRIES:
+            return self._fall_back(f"its guards failed for {MAX_ENTRIES} stored artifacts")
+        try:
+            compiled = aot_compile(_call_stage, _backend(self.options, self._graphs), call, kwargs)
+        except Exception as e:
+            return self._fall_back(f"Dynamo's ahead-of-time compile refused it ({type(e).__name__}: {e}); "
+                                   "a graph break, or a patched method such as trace_layers_once's")
+        digests = module_digests(aot_traced_modules(compiled))
+        try:
+            data: bytes | None = dumps_aot(compiled)
+        except Exception as e:
+            data = None
+            log.warning("warm restart: %s cannot be stored (%s: %s); a restart compiles it again",
+                        type(self.stage).__name__, type(e).__name__, e)
+        self._artifacts.append(_Artifact(data, digests, compiled))
+        self.compiled += 1
+        if data is not None:
+            write_entries(self.key, [(a.data, a.digests) for a in self._artifacts if a.data is not None])
+        return compiled
+
+    def _fall_back(self, why: str) -> None:
+        log.warning("warm restart: %s is compiled without warm restarts, as torch.compile compiles it: %s",
+                    type(self.stage).__name__, why)
+        self.fallback_reason = why
+        self._fallback = torch.compile(self.stage, backend="pp_breakable", options=self.options)
+        return None
+
+
+def warm_compile(stage: torch.nn.Module, options: Mapping[str, Any] | None = None, *,
+                 name: str | None = None) -> WarmStage:
+    """``stage`` compiled by ``pp_breakable`` with ``options``, reusing across process starts what an
+    earlier process compiled for the same stage (same code, options, torch and ppcompile). Use it where
+    ``torch.compile(stage, backend="pp_breakable", options=options)`` would be: mark token dims as for
+    that (:func:`ppcompile.mark_token_dynamic`) before the first call. ``name`` tells apart stages whose
+    class, parameters and options are the same (two identical PP stages of one model may share a file).
+    Artifacts live in ``$PPCOMPILE_CACHE_DIR/stages``; :func:`ppcompile.clear_warm_cache` deletes them.
+    """
+    return WarmStage(stage, options, name)

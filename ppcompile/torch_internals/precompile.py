@@ -1,0 +1,184 @@
+"""The private torch APIs of warm restarts: Dynamo's ahead-of-time compile, and a shape env rebuilt.
+
+``torch.compile(...).aot_compile`` traces a function once and returns a callable that holds Dynamo's
+bytecode, guards and the backend's result; serialized, it is loaded in another process without
+tracing again. The backend's result must subclass :data:`SerializableCallable`. A stage graph read
+back from disk gets a fresh shape env holding the traced one's symbols, size hints and guards, so
+ppcompile's passes read it as they read Dynamo's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+
+from ppcompile.torch_internals.lookup import attr, lookup
+
+__all__ = [
+    "SerializableCallable", "aot_compile", "aot_guard_check", "aot_traced_modules", "dumps_aot",
+    "fake_mode_of_shape_env", "fake_tensor", "loads_aot", "new_fake_mode", "operator_name", "operator_named",
+    "shape_env_state", "symbolic_value",
+]
+
+_WHY = "for warm restarts"
+# Dynamo's per-tensor dim marks (``mark_dynamic`` and kin). A reloaded guard cannot know the marks its
+# trace saw and rejects any marked tensor; the marks only steer a trace, so checks run without them.
+_DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
+              "_dynamo_strict_unbacked_indices", "_dynamo_static_indices", "_dynamo_dynamic_range",
+              "_dynamo_hint_overrides", "_dynamo_shape_ids", "_dynamo_unbacked_bounds",
+              "_has_dynamo_dim_marking")
+
+_RANGES = ("var_to_range", "var_to_range_sloc")  # each symbol's value range, and where it was set
+
+if TYPE_CHECKING:
+    from torch._dynamo.aot_compile_types import SerializableCallable
+else:
+    SerializableCallable = lookup("torch._dynamo.aot_compile_types", "SerializableCallable", _WHY)
+
+
+def aot_compile(fn: Callable[..., Any], backend: Callable[..., Any], args: Sequence[Any],
+                kwargs: Mapping[str, Any]) -> Any:
+    """Dynamo's whole-graph trace of ``fn(*args, **kwargs)`` compiled by ``backend``, ahead of time.
+
+    ``backend`` runs under the AOTAutograd settings of the caller: aot_compile forces its own (bundled,
+    forced autograd caches, eager backward lowering) around the backend, which would make every
+    Inductor segment compile slower and miss the caches a plain ``torch.compile`` fills and reads."""
+    dynamo_config = lookup("torch._dynamo", "config", _WHY)
+    functorch_config = lookup("torch._functorch", "config", _WHY)
+    callers = functorch_config.get_config_copy()
+
+    def with_callers_settings(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        now = functorch_config.get_config_copy()
+        with functorch_config.patch({k: v for k, v in callers.items() if now.get(k) != v}):
+            return backend(gm, example_inputs)
+
+    with dynamo_config.patch(enable_aot_compile=True):
+        compiled = torch.compile(fn, fullgraph=True, backend=with_callers_settings)
+        run = attr(compiled, "aot_compile", "torch.compile(...)", _WHY)
+        return run((tuple(args), dict(kwargs)))
+
+
+def dumps_aot(compiled: Any) -> bytes:
+    """The bytes :func:`loads_aot` reads back (the backend's result serializes itself)."""
+    cls = lookup("torch._dynamo.aot_compile", "AOTCompiledFunction", _WHY)
+    return bytes(attr(cls.serialize(compiled), "serialized_data", "AOTCompileSaveResult", _WHY))
+
+
+def loads_aot(data: bytes) -> Any:
+    """A compiled function :func:`dumps_aot` wrote; its own guards are checked by :func:`aot_guard_check`
+    instead (they ignore dim marks)."""
+    compiled = torch.compiler.load_compiled_function(io.BytesIO(data))
+    attr(compiled, "disable_guard_check", "AOTCompiledFunction", _WHY)()
+    return compiled
+
+
+@contextlib.contextmanager
+def _without_dim_marks(values: Iterable[Any]) -> Iterator[None]:
+    removed: list[tuple[torch.Tensor, str, Any]] = []
+    try:
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                for name in _DIM_MARKS:
+                    if name in t.__dict__:
+                        removed.append((t, name, t.__dict__.pop(name)))
+        yield
+    finally:
+        for t, name, value in removed:
+            t.__dict__[name] = value
+
+
+def aot_guard_check(compiled: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+                    tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether ``compiled``'s guards pass for this call; ``tensors`` (the call's tensors) are checked
+    without their dim marks, which are put back."""
+    check = attr(compiled, "guard_check", "AOTCompiledFunction", _WHY)
+    with _without_dim_marks(tensors):
+        return bool(check(*args, **kwargs))
+
+
+def aot_traced_modules(compiled: Any) -> frozenset[str]:
+    """The Python modules whose code Dynamo traced into ``compiled``."""
+    info = attr(compiled, "source_info", "AOTCompiledFunction", _WHY)()
+    sources = attr(info, "inlined_sources", "SourceInfo", _WHY)
+    return frozenset(attr(s, "module", "InlinedSource", _WHY) for s in sources)
+
+
+def operator_name(target: Any) -> str | None:
+    """``torch.ops.<name>`` reaches ``target`` (``aten.add.Tensor``, ``higher_order.invoke_subgraph``),
+    or None for a target that is no operator."""
+    ops = tuple(lookup("torch._ops", name, _WHY) for name in ("OpOverload", "OpOverloadPacket"))
+    if isinstance(target, ops):
+        return str(target)
+    if isinstance(target, lookup("torch._ops", "HigherOrderOperator", _WHY)):
+        return f"higher_order.{target.name()}"
+    return None
+
+
+def operator_named(name: str) -> Any:
+    """The operator :func:`operator_name` named."""
+    return attr(torch.ops, name, "torch.ops", _WHY)
+
+
+# ------------------------------------------------------------------------- a shape env rebuilt
+def shape_env_state(shape_env: Any) -> tuple[dict[Any, Any], dict[Any, Any], tuple[Any, ...], dict[str, Any]]:
+    """What :func:`new_fake_mode` rebuilds of ``shape_env``, as picklable data: each backed symbol's
+    traced value and value range (with where it was set), its guards' expressions, and its settings
+    (Inductor's and AOTAutograd's cache keys hold them: a rebuilt shape env hits what the first
+    process's compiles stored)."""
+    hints = {s: v for s, v in attr(shape_env, "backed_var_to_val", "ShapeEnv", _WHY).items()
+             if isinstance(v, sympy.Integer)}
+    ranges = {name: {s: r for s, r in attr(shape_env, name, "ShapeEnv", _WHY).items() if s in hints}
+              for name in _RANGES}
+    guards = tuple(attr(g, "expr", "ShapeGuard", _WHY) for g in attr(shape_env, "guards", "ShapeEnv", _WHY))
+    settings = dataclasses.asdict(attr(shape_env, "settings", "ShapeEnv", _WHY))
+    return hints, ranges, guards, settings
+
+
+def new_fake_mode(state: tuple[dict[Any, Any], dict[Any, Any], tuple[Any, ...], dict[str, Any]]) -> Any:
+    """A fake tensor mode over a fresh shape env holding what :func:`shape_env_state` read of another."""
+    hints, ranges, guards, settings = state
+    shape_env = lookup("torch.fx.experimental.symbolic_shapes", "ShapeEnv", _WHY)(**settings)
+    attr(shape_env, "backed_var_to_val", "ShapeEnv", _WHY).update(hints)
+    for name in _RANGES:
+        attr(shape_env, name, "ShapeEnv", _WHY).update(ranges[name])
+    shape_guard = lookup("torch._guards", "ShapeGuard", _WHY)
+    attr(shape_env, "guards", "ShapeEnv", _WHY).extend(shape_guard(g, None, False) for g in guards)
+    return lookup("torch._subclasses.fake_tensor", "FakeTensorMode", _WHY)(shape_env=shape_env)
+
+
+def fake_mode_of_shape_env(fake_mode: Any) -> Any:
+    """The shape env of a fake tensor mode."""
+    return attr(fake_mode, "shape_env", "FakeTensorMode", _WHY)
+
+
+def fake_tensor(fake_mode: Any, size: Sequence[Any], stride: Sequence[Any], offset: Any,
+                dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A fake tensor of ``fake_mode`` with this layout (sizes may be SymInts of its shape env), made from
+    a meta tensor directly rather than through the mode's dispatch (several times faster)."""
+    meta = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+    if not isinstance(offset, int) or offset:
+        meta = meta.as_strided(size, stride, offset)
+    fake_class = lookup("torch._subclasses.fake_tensor", "FakeTensor", _WHY)
+    return fake_class(fake_mode, meta, torch.device(device))
+
+
+def symbolic_value(fake_mode: Any, expr: sympy.Basic, kind: type) -> Any:
+    """A ``SymInt`` / ``SymFloat`` / ``SymBool`` (``kind``) of ``expr`` in ``fake_mode``'s shape env
+    (a plain number when ``expr`` is one)."""
+    pytype: type = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[kind]  # type: ignore[index]
+    if not expr.free_symbols:
+        return pytype(expr)
+    shape_env = fake_mode_of_shape_env(fake_mode)
+    hints = attr(shape_env, "backed_var_to_val", "ShapeEnv", _WHY)
+    try:
+        hint = pytype(expr.xreplace(hints))
+    except (TypeError, ValueError):
+        hint = None
+    node = lookup("torch.fx.experimental.sym_node", "SymNode", _WHY)(expr, shape_env, pytype, hint)
+    return kind(node)
