@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -62,13 +63,15 @@ def test_a_shape_env_rebuilt_and_its_values(fresh_dynamo: None) -> None:
         return gm.forward
 
     torch.compile(lambda t: t + 1, backend=backend, fullgraph=True)(x)
-    hints, ranges, _ = states[0]
+    hints, ranges, _, settings = states[0]
+    assert "specialize_zero_one" in settings
     ((s, hint),) = hints.items()  # the token dim's symbol
     assert hint == 6 and set(ranges["var_to_range"]) == {s}
     fake_mode = pc.new_fake_mode(states[0])
     size = pc.symbolic_value(fake_mode, s, torch.SymInt)
     assert isinstance(size, torch.SymInt) and str(size) == str(s)
     assert pc.fake_mode_of_shape_env(fake_mode) is size.node.shape_env
+    assert dataclasses.asdict(size.node.shape_env.settings) == settings
     assert pc.symbolic_value(fake_mode, sympy.Integer(3), torch.SymInt) == 3
     t = pc.fake_tensor(fake_mode, [size, 4], [4, 1], 4, torch.float16, "cpu")
     assert type(t).__name__ == "FakeTensor" and t.fake_mode is fake_mode
