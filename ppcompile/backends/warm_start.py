@@ -210,8 +210,7 @@ class WarmStage:
         try:
             compiled = aot_compile(_call_stage, _backend(self.options, self._graphs), call, kwargs)
         except Exception as e:
-            return self._fall_back(f"Dynamo's ahead-of-time compile refused it ({type(e).__name__}: {e}); "
-                                   "a graph break, or a patched method such as trace_layers_once's")
+            return self._fall_back(f"Dynamo's ahead-of-time compile refused it ({type(e).__name__}: {e})")
         digests = module_digests(aot_traced_modules(compiled))
         try:
             data: bytes | None = dumps_aot(compiled)
