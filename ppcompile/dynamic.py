@@ -19,20 +19,22 @@ import torch
 
 from ppcompile.torch_internals import mark_dynamic
 
-__all__ = ["mark_token_dynamic"]
+__all__ = ["mark_token_dynamic", "tensors_in"]
 
 log = logging.getLogger(__name__)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``: a tensor, or mappings (a ``dict``, ``PPProxyTensors``), lists and tuples
+    of them; anything else holds none."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, Mapping):
         for v in value.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 def mark_token_dynamic(*values: Any, dim: int = 0) -> int:
@@ -51,7 +53,7 @@ def mark_token_dynamic(*values: Any, dim: int = 0) -> int:
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
         raise ValueError(f"mark_token_dynamic: dim must be a non-negative int, got {dim!r}")
     marked = 0
-    for t in _tensors(values):
+    for t in tensors_in(values):
         if t.dim() <= dim:
             continue
         if t.shape[dim] == 1 and t.dim() > dim + 2 and t.shape[dim + 1] > 1:  # [1, T, H]: batch-first?

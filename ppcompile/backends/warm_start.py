@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ppcompile.proxy import PPProxyTensors
+from ppcompile.dynamic import tensors_in
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.torch_internals import tracing_context
 from ppcompile.torch_internals.precompile import (
@@ -110,17 +110,6 @@ def _call_stage(stage: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return stage(*args, **kwargs)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, (dict, PPProxyTensors)):
-        for v in value.values():
-            yield from _tensors(v)
-
-
 @contextlib.contextmanager
 def _loading(options: Mapping[str, Any], graphs: list[StoredStageGraph]) -> Iterator[None]:
     token = _LOADING.set((options, graphs))
@@ -164,7 +153,7 @@ class WarmStage:
         if self._artifacts is None:
             self._artifacts = [_Artifact(data, digests) for data, digests in read_entries(self.key)]
         call = (self.stage, *args)
-        tensors = list(_tensors((args, kwargs)))
+        tensors = list(tensors_in((args, kwargs)))
         for artifact in list(self._artifacts):
             compiled = artifact.compiled if artifact.compiled is not None else self._read_back(artifact)
             if compiled is None or not aot_guard_check(compiled, call, kwargs, tensors):
