@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import sympy
 import torch
 
+from ppcompile.torch_internals import shape_env_guards, shape_env_hints
 from ppcompile.torch_internals.lookup import attr, lookup
 
 __all__ = [
     "SerializableCallable", "aot_compile", "aot_guard_check", "aot_traced_modules", "dumps_aot",
-    "fake_mode_of_shape_env", "fake_tensor", "loads_aot", "new_fake_mode", "operator_name", "operator_named",
+    "fake_tensor", "loads_aot", "new_fake_mode", "operator_name", "operator_named", "shape_env_of_fake_mode",
     "shape_env_state", "symbolic_value",
 ]
 
@@ -131,11 +132,10 @@ def shape_env_state(shape_env: Any) -> tuple[dict[Any, Any], dict[Any, Any], tup
     traced value and value range (with where it was set), its guards' expressions, and its settings
     (Inductor's and AOTAutograd's cache keys hold them: a rebuilt shape env hits what the first
     process's compiles stored)."""
-    hints = {s: v for s, v in attr(shape_env, "backed_var_to_val", "ShapeEnv", _WHY).items()
-             if isinstance(v, sympy.Integer)}
+    hints = {s: v for s, v in shape_env_hints(shape_env).items() if isinstance(v, sympy.Integer)}
     ranges = {name: {s: r for s, r in attr(shape_env, name, "ShapeEnv", _WHY).items() if s in hints}
               for name in _RANGES}
-    guards = tuple(attr(g, "expr", "ShapeGuard", _WHY) for g in attr(shape_env, "guards", "ShapeEnv", _WHY))
+    guards = shape_env_guards(shape_env)
     settings = dataclasses.asdict(attr(shape_env, "settings", "ShapeEnv", _WHY))
     return hints, ranges, guards, settings
 
@@ -144,7 +144,7 @@ def new_fake_mode(state: tuple[dict[Any, Any], dict[Any, Any], tuple[Any, ...], 
     """A fake tensor mode over a fresh shape env holding what :func:`shape_env_state` read of another."""
     hints, ranges, guards, settings = state
     shape_env = lookup("torch.fx.experimental.symbolic_shapes", "ShapeEnv", _WHY)(**settings)
-    attr(shape_env, "backed_var_to_val", "ShapeEnv", _WHY).update(hints)
+    shape_env_hints(shape_env).update(hints)
     for name in _RANGES:
         attr(shape_env, name, "ShapeEnv", _WHY).update(ranges[name])
     shape_guard = lookup("torch._guards", "ShapeGuard", _WHY)
@@ -152,7 +152,7 @@ def new_fake_mode(state: tuple[dict[Any, Any], dict[Any, Any], tuple[Any, ...], 
     return lookup("torch._subclasses.fake_tensor", "FakeTensorMode", _WHY)(shape_env=shape_env)
 
 
-def fake_mode_of_shape_env(fake_mode: Any) -> Any:
+def shape_env_of_fake_mode(fake_mode: Any) -> Any:
     """The shape env of a fake tensor mode."""
     return attr(fake_mode, "shape_env", "FakeTensorMode", _WHY)
 
@@ -174,10 +174,9 @@ def symbolic_value(fake_mode: Any, expr: sympy.Basic, kind: type) -> Any:
     pytype: type = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[kind]  # type: ignore[index]
     if not expr.free_symbols:
         return pytype(expr)
-    shape_env = fake_mode_of_shape_env(fake_mode)
-    hints = attr(shape_env, "backed_var_to_val", "ShapeEnv", _WHY)
+    shape_env = shape_env_of_fake_mode(fake_mode)
     try:
-        hint = pytype(expr.xreplace(hints))
+        hint = pytype(expr.xreplace(shape_env_hints(shape_env)))
     except (TypeError, ValueError):
         hint = None
     node = lookup("torch.fx.experimental.sym_node", "SymNode", _WHY)(expr, shape_env, pytype, hint)

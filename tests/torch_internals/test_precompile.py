@@ -70,7 +70,7 @@ def test_a_shape_env_rebuilt_and_its_values(fresh_dynamo: None) -> None:
     fake_mode = pc.new_fake_mode(states[0])
     size = pc.symbolic_value(fake_mode, s, torch.SymInt)
     assert isinstance(size, torch.SymInt) and str(size) == str(s)
-    assert pc.fake_mode_of_shape_env(fake_mode) is size.node.shape_env
+    assert pc.shape_env_of_fake_mode(fake_mode) is size.node.shape_env
     assert dataclasses.asdict(size.node.shape_env.settings) == settings
     assert pc.symbolic_value(fake_mode, sympy.Integer(3), torch.SymInt) == 3
     t = pc.fake_tensor(fake_mode, [size, 4], [4, 1], 4, torch.float16, "cpu")
