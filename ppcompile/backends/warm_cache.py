@@ -31,6 +31,7 @@ from ppcompile.config import PPBreakableConfig
 
 __all__ = [
     "FORMAT",
+    "artifact_path",
     "clear_warm_cache",
     "module_digests",
     "read_entries",
@@ -48,6 +49,11 @@ FORMAT = 1  # bumped when the file's layout changes
 def warm_cache_dir() -> Path:
     """``<PPCOMPILE_CACHE_DIR>/stages``: the warm-restart artifacts of every stage."""
     return Path(envs.cache_dir()) / "stages"
+
+
+def artifact_path(key: str) -> Path:
+    """The file of the stage whose key is ``key``."""
+    return warm_cache_dir() / f"{key}.bin"
 
 
 def clear_warm_cache() -> int:
@@ -103,7 +109,7 @@ def stale_modules(digests: Mapping[str, str | None]) -> list[str]:
 
 def read_entries(key: str) -> list[tuple[bytes, dict[str, str | None]]]:
     """The artifacts stored under ``key`` whose traced modules are unchanged, each with its digests."""
-    path = warm_cache_dir() / f"{key}.bin"
+    path = artifact_path(key)
     try:
         with path.open("rb") as f:
             stored = pickle.load(f)
@@ -128,8 +134,8 @@ def read_entries(key: str) -> list[tuple[bytes, dict[str, str | None]]]:
 
 def write_entries(key: str, entries: list[tuple[bytes, dict[str, str | None]]]) -> Path | None:
     """Replaces ``key``'s file with ``entries``; the path, or None when it could not be written."""
-    root = warm_cache_dir()
-    path = root / f"{key}.bin"
+    path = artifact_path(key)
+    root = path.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{key}.")

@@ -37,7 +37,7 @@ from ppcompile.torch_internals.precompile import (
 
 from .graph_codec import GraphCodecError, dumps_stage_graph, loads_stage_graph
 from .pp_breakable import pp_breakable
-from .warm_cache import module_digests, read_entries, stage_key, warm_cache_dir, write_entries
+from .warm_cache import artifact_path, module_digests, read_entries, stage_key, write_entries
 
 __all__ = ["MAX_ENTRIES", "StoredGraphError", "StoredStageGraph", "WarmStage", "warm_compile"]
 
@@ -140,7 +140,7 @@ class WarmStage:
                  name: str | None = None) -> None:
         self.stage, self.options = stage, dict(options or {})
         self.key = stage_key(stage, self.options, name)
-        self.path: Path = warm_cache_dir() / f"{self.key}.bin"
+        self.path: Path = artifact_path(self.key)
         self.loaded = self.compiled = 0
         self.fallback_reason: str | None = None
         self._artifacts: list[_Artifact] | None = None  # read from the file at the first call
