@@ -143,8 +143,8 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
     captures = capture_records(runtime)
     return {
         "layers": layers, "compiler": compiler, "total": total,
-        "dynamo_trace": times.get("dynamo_trace"), "passes": times["passes"],
-        "segment_compile": times["segment_compile"],
+        "dynamo_trace": times.get("dynamo_trace"), "passes": times.get("passes"),
+        "segment_compile": times.get("segment_compile"),
         "capture": sum(c.seconds for c in captures),
         "capture_buckets": sum(len(c.buckets) for c in captures),
         "region_calls": sum(runtime.compiled.record.region_traces.values()),

@@ -29,7 +29,8 @@ from ppcompile.torch_internals.precompile import (
     symbolic_value,
 )
 
-__all__ = ["GraphCodecError", "InputSource", "dumps_stage_graph", "loads_stage_graph"]
+__all__ = ["GraphCodecError", "InputSource", "dumps_stage_graph", "graph_from_records", "graph_records",
+           "loads_stage_graph"]
 
 _KEPT = ("nn_module_stack", "stack_trace", "custom")  # plain data, as Dynamo wrote them
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -139,7 +140,14 @@ def _node_record(node: torch.fx.Node) -> tuple[Any, ...]:
     return node.op, node.name, target, args, kwargs, node.type
 
 
-def _rebuild_graph(records: list[tuple[Any, ...]]) -> torch.fx.Graph:
+def graph_records(graph: torch.fx.Graph) -> list[tuple[Any, ...]]:
+    """``graph``'s nodes as plain records (op, name, target, arguments by name, type), for
+    :func:`graph_from_records`; node metadata is not written."""
+    return [_node_record(node) for node in graph.nodes]
+
+
+def graph_from_records(records: list[tuple[Any, ...]]) -> torch.fx.Graph:
+    """The graph :func:`graph_records` wrote (nodes, names and types; no metadata)."""
     graph = torch.fx.Graph()
     nodes: dict[str, torch.fx.Node] = {}
 
@@ -189,7 +197,7 @@ def dumps_stage_graph(gm: torch.fx.GraphModule) -> bytes:
 def loads_stage_graph(data: bytes) -> tuple[torch.fx.GraphModule, Any]:
     """The graph :func:`dumps_stage_graph` wrote, with its metadata, and the fake mode of its values."""
     records, metas, attrs, state = pickle.loads(data)
-    graph = _rebuild_graph(records)
+    graph = graph_from_records(records)
     fake_mode = new_fake_mode(state)
     decode = _Decoder(fake_mode)
     for node, meta in zip(graph.nodes, metas, strict=True):

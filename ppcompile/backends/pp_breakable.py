@@ -33,7 +33,7 @@ from .segment_compilers import (
     segments_skip_size_asserts,
 )
 
-__all__ = ["pp_breakable", "runtimes_of", "stage_runtimes"]
+__all__ = ["compile_stage", "pp_breakable", "runtimes_of", "serve_stage", "stage_runtimes"]
 
 log = logging.getLogger(__name__)
 
@@ -130,21 +130,17 @@ def _on_cuda(example_inputs: list[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
 
 
-def pp_breakable(
-    gm: torch.fx.GraphModule,
-    example_inputs: list[Any],
-    options: Mapping[str, Any] | None = None,
-    **_: Any,
-) -> StageRuntime:
-    """Compiles one Dynamo graph of a PP stage into a ``StageRuntime``."""
-    config = PPBreakableConfig.from_options(options)
+def compile_stage(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], config: PPBreakableConfig
+) -> CompiledStage:
+    """One Dynamo graph of a PP stage through the passes and the segment compiles, lowered."""
     dynamo_seconds = dynamo_trace_seconds()
     name = _graph_name()
     ctx = PassContext(config=config, example_inputs=list(example_inputs), graph_name=name)
     split = run_passes(gm, ctx)
     counters.backend_compiles += 1  # after the passes: a re-trace a pass asked for is not a compile
     compiled, segment_compiles = compile_segments(split, ctx)
-    stage = lower_stage(
+    return lower_stage(
         name, split, ctx, compiled, config, resolve_graph_mode(config.graph_mode, _on_cuda(example_inputs)),
         skip_size_asserts=segments_skip_size_asserts(config),
         segment_compiles=tuple(segment_compiles),
@@ -153,6 +149,11 @@ def pp_breakable(
         frame_compile=_nth(torch_internals.frame_compile_index(compile_id)),
         recompile_limit=torch_internals.recompile_limit(),
     )
+
+
+def serve_stage(stage: CompiledStage, config: PPBreakableConfig, example_inputs: list[Any]) -> StageRuntime:
+    """The runtime serving ``stage``, registered (``stage_runtimes``, ``runtimes_of``), reported and
+    dumped; ``example_inputs``: the inputs of the call it was compiled for."""
     stage = _lineage(stage, list(example_inputs))
     built: list[weakref.ref[StageRuntime]] = []  # the runtime, for the report rewrite after a capture run
 
@@ -172,3 +173,14 @@ def pp_breakable(
     on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())
     return runtime
+
+
+def pp_breakable(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    options: Mapping[str, Any] | None = None,
+    **_: Any,
+) -> StageRuntime:
+    """Compiles one Dynamo graph of a PP stage into a ``StageRuntime``."""
+    config = PPBreakableConfig.from_options(options)
+    return serve_stage(compile_stage(gm, example_inputs, config), config, example_inputs)

@@ -2,12 +2,14 @@
 
 ``torch.compile(stage, backend="pp_breakable")`` traces the stage with Dynamo in every process, and the
 trace grows with the layer count. ``warm_compile`` traces it ahead of time instead (Dynamo's
-``aot_compile``, whole graph) and stores the result: Dynamo's bytecode and guards, and the stage graph
-as Dynamo handed it to the backend (``graph_codec``). A later process with the same key
-(``warm_cache``) loads it, checks its guards, and on the first call runs ppcompile's passes, segment
-compiles and capture on the stored graph, skipping the trace. A call whose guards fail compiles and
-stores one more artifact, as Dynamo would recompile. A stage that cannot be traced whole, or whose graph
-cannot be stored, is served as ``torch.compile`` serves it, with one log line saying why.
+``aot_compile``, whole graph) and stores the result: Dynamo's bytecode and guards, the stage graph as
+Dynamo handed it to the backend (``graph_codec``), and the lowered stage when it can be stored
+(``stored_stage``: eager segments). A later process with the same key (``warm_cache``) loads it, checks
+its guards, and on the first call serves the lowered stage, or runs ppcompile's passes and segment
+compiles on the stored graph; either way Dynamo does not trace, and capture runs as usual. A call whose
+guards fail compiles and stores one more artifact, as Dynamo would recompile. A stage that cannot be
+traced whole, or whose graph cannot be stored, is served as ``torch.compile`` serves it, with one log
+line saying why.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import pickle
 import time
+import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ppcompile.config import PPBreakableConfig
 from ppcompile.dynamic import tensors_in
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.torch_internals import tracing_context
@@ -36,13 +41,15 @@ from ppcompile.torch_internals.precompile import (
 )
 
 from .graph_codec import GraphCodecError, dumps_stage_graph, loads_stage_graph
-from .pp_breakable import pp_breakable
+from .pp_breakable import compile_stage, pp_breakable, serve_stage
+from .stored_stage import StoredStageError, dumps_compiled_stage, loads_compiled_stage
 from .warm_cache import artifact_path, module_digests, read_entries, stage_key, write_entries
 
 __all__ = ["MAX_ENTRIES", "StoredGraphError", "StoredStageGraph", "WarmStage", "warm_compile"]
 
 log = logging.getLogger(__name__)
 
+_FORMAT = "ppcompile-stored-stage-2"
 MAX_ENTRIES = 8  # artifacts per stage (guard sets, as Dynamo's recompiles); beyond, torch.compile serves
 # While artifacts are read: the options their graphs compile with, and the list each read graph joins.
 _LOADING: contextvars.ContextVar[tuple[Mapping[str, Any], list[StoredStageGraph]] | None] = \
@@ -54,43 +61,73 @@ class StoredGraphError(RuntimeError):
 
 
 class StoredStageGraph(SerializableCallable):
-    """The backend's result under ``aot_compile``: a stage runtime that serializes as the Dynamo graph
-    it was compiled from. Read back, it compiles that graph on its first call (the call's inputs are
-    what Dynamo would have passed the backend)."""
+    """The backend's result under ``aot_compile``: a stage runtime that serializes as the lowered stage
+    (``stored_stage``) when it can be stored, and always as the Dynamo graph it was compiled from. Read
+    back, it serves the lowered stage on its first call, or compiles the graph then (the call's inputs
+    are what Dynamo would have passed the backend)."""
 
     def __init__(self, graph: bytes | None, options: Mapping[str, Any] | None,
-                 runtime: StageRuntime | None, why_not_stored: str | None = None) -> None:
+                 runtime: StageRuntime | None, why_not_stored: str | None = None,
+                 lowered: bytes | None = None) -> None:
         self.graph, self.options, self.runtime, self.why_not_stored = graph, options, runtime, why_not_stored
+        self.lowered = lowered
         self.load_seconds: float | None = None
+        self.restored_lowered = False  # the runtime serves the stored lowered stage (no passes ran)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: StoredStageGraph) -> bytes:
         if fn.graph is None:
             raise GraphCodecError(fn.why_not_stored or "the stage graph was not kept")
-        return fn.graph
+        lowered = None
+        if fn.runtime is not None:
+            try:
+                lowered = dumps_compiled_stage(fn.runtime.compiled)
+            except StoredStageError as e:
+                log.info("warm restart: the lowered stage %s is not stored (%s); a restart runs the passes "
+                         "on its stored graph", fn.runtime.name, e)
+        return pickle.dumps((_FORMAT, fn.graph, lowered), protocol=pickle.HIGHEST_PROTOCOL)
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> StoredStageGraph:
         loading = _LOADING.get()
         if loading is None:
             raise RuntimeError("a ppcompile stage graph is read back by ppcompile.warm_compile only")
+        fmt, graph_data, lowered = pickle.loads(data)
+        if fmt != _FORMAT:
+            raise GraphCodecError(f"not a stored stage graph of this ppcompile ({fmt!r})")
         options, graphs = loading
-        graph = cls(data, options, None)
+        graph = cls(graph_data, options, None, lowered=lowered)
         graphs.append(graph)
         return graph
 
     def __call__(self, *args: Any) -> Any:
         if self.runtime is None:
-            assert self.graph is not None
-            try:
-                start = time.perf_counter()
-                gm, fake_mode = loads_stage_graph(self.graph)
-                self.load_seconds = time.perf_counter() - start
-                with tracing_context(fake_mode):
-                    self.runtime = pp_breakable(gm, list(args), self.options)
-            except Exception as e:
-                raise StoredGraphError(f"{type(e).__name__}: {e}") from e
+            self.runtime = self._restore(list(args))
         return self.runtime(*args)
+
+    def _restore(self, args: list[Any]) -> StageRuntime:
+        config = PPBreakableConfig.from_options(self.options)
+        start = time.perf_counter()
+        if self.lowered is not None:
+            try:
+                stage = loads_compiled_stage(self.lowered)
+            except Exception as e:  # StoredStageError, or anything else: a miss, never an error
+                log.warning("warm restart: a stored lowered stage does not load (%s: %s); its stored graph "
+                            "is compiled again", type(e).__name__, e)
+            else:
+                self.load_seconds = seconds = time.perf_counter() - start
+                self.restored_lowered = True
+                restored = dataclasses.replace(stage, record=dataclasses.replace(
+                    stage.record, compile_times=types.MappingProxyType({"read_back": seconds})))
+                return serve_stage(restored, config, args)
+        assert self.graph is not None
+        try:
+            gm, fake_mode = loads_stage_graph(self.graph)
+            self.load_seconds = time.perf_counter() - start
+            with tracing_context(fake_mode):
+                return serve_stage(compile_stage(gm, args, config), config, args)
+        except Exception as e:
+            raise StoredGraphError(f"{type(e).__name__}: {e}") from e
 
 
 def _backend(options: Mapping[str, Any], graphs: list[StoredStageGraph]) -> Any:

@@ -23,6 +23,7 @@ from ppcompile.debug.memory import SegmentMemory, memory_section, segment_memory
 from ppcompile.runtime.codegen import graph_forward_source, replay_passes_args
 from ppcompile.runtime.executors import EXECUTORS
 from ppcompile.runtime.program import GraphStep
+from ppcompile.symbolic import example_value
 
 if TYPE_CHECKING:
     from ppcompile.runtime.stage_runtime import StageRuntime
@@ -36,9 +37,12 @@ log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------ compile-time facts
 def _segment_memory(runtime: StageRuntime) -> dict[str, SegmentMemory]:
-    """Per graph segment, its memory as a function of the bucket (empty for a stage that never graphs)."""
+    """Per graph segment, its memory as a function of the bucket (empty for a stage that never graphs,
+    and for one a warm restart read back: its split module has no traced values)."""
     split = runtime.compiled.record.split_module
     if split is None or runtime.eager_reason is not None:
+        return {}
+    if not any(example_value(p) is not None for p in split.graph.find_nodes(op="placeholder")):
         return {}
     return {st.segment.name: segment_memory(_submodule(split, st.segment.name), runtime.token_symbol)
             for st in runtime.program.graph_steps}

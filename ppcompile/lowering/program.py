@@ -33,14 +33,20 @@ from ppcompile.runtime.program import (
 from ppcompile.runtime.static_buffers import BufferPlan, TensorLayout, follows_token_count
 from ppcompile.symbolic import SizeFn, example_value, size_expr
 
-__all__ = ["build_program"]
+__all__ = ["SingleOutput", "build_program"]
 
 
-def _unwrap_single(fn: Callable[..., Any]) -> SegmentFn:
-    def call(*args: Any) -> tuple[Any, ...]:
-        return (fn(*args),)
+class SingleOutput:
+    """A one-output segment's callable, returning its output in a 1-tuple as every step's ``fn`` does
+    (a class, not a closure: a stored stage pickles it)."""
 
-    return call
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        return (self.fn(*args),)
 
 
 def _output_values(out: torch.fx.Node, multi: bool) -> list[Any]:
@@ -179,7 +185,7 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
         fn = compiled[str(node.target)]
         args = tuple(ref(a) for a in node.args)
         traced.append(_Traced(
-            index=len(traced), segment=segment, fn=fn if multi else _unwrap_single(fn), args=args,
+            index=len(traced), segment=segment, fn=fn if multi else SingleOutput(fn), args=args,
             out_slots=tuple(out_slots), out_sizes=_output_sizes(out, multi),
             out_layouts=_output_layouts(out, multi), call=fn, single_output=not multi,
             written=tuple(args[i].slot for i in node_facts.WRITTEN_ARGS.get(node) or ()),

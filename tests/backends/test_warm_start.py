@@ -21,6 +21,8 @@ from stage_checks import assert_close
 import ppcompile
 from ppcompile.backends import warm_cache
 from ppcompile.backends.segment_compilers import clear_segment_cache
+from ppcompile.backends.stored_stage import StoredStageError
+from ppcompile.debug.report import build_report
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
@@ -61,6 +63,7 @@ def test_a_restart_reuses_the_stored_compile_and_matches_eager() -> None:
     assert (first.loaded, first.compiled, first.fallback_reason) == (0, 2, None)
     assert first.path.is_file() and first.path.parent == ppcompile.warm_cache_dir()
     described = [rt.describe().splitlines()[1:] for rt in first.runtimes()]
+    estimated = [build_report(rt)["memory"]["estimated_graph_bytes"] for rt in first.runtimes()]
 
     _restart()
     traces = ppcompile.counters.backend_compiles
@@ -69,7 +72,11 @@ def test_a_restart_reuses_the_stored_compile_and_matches_eager() -> None:
     for n in (5, 1, 4, 8, 9, 17):  # traced, one token, a bucket, the cap, cap + 1 and above (eager)
         _check(again, stage, n)
     assert (again.loaded, again.compiled) == (2, 0)
-    assert ppcompile.counters.backend_compiles == traces + 2  # the passes ran again; Dynamo did not
+    assert ppcompile.counters.backend_compiles == traces  # neither Dynamo nor the passes ran again
+    assert all(set(rt.compiled.record.compile_times) == {"read_back"} for rt in again.runtimes())
+    # The split module comes back without traced values: the report's estimate is unknown, never 0.
+    assert any(isinstance(b, int) and b > 0 for b in estimated)
+    assert [build_report(rt)["memory"]["estimated_graph_bytes"] for rt in again.runtimes()] == [None, None]
     assert [rt.describe().splitlines()[1:] for rt in again.runtimes()] == described
     assert again.load_seconds() > 0
 
@@ -156,21 +163,54 @@ def test_an_unreadable_or_foreign_file_is_a_miss_and_is_replaced() -> None:
     assert warm_cache.read_entries(warm.key)  # rewritten, readable
 
 
-@pytest.mark.parametrize("fails", ["loads_aot", "loads_stage_graph"])
+def _broken(data: bytes) -> Any:
+    raise RuntimeError("made by another torch")
+
+
+@pytest.mark.parametrize("fails", [("loads_aot",), ("loads_compiled_stage", "loads_stage_graph")])
 def test_an_artifact_that_does_not_load_or_compile_again_is_dropped(
-        fails: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        fails: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     stage = make_stage(CFG, 1, 2)
     _call(ppcompile.warm_compile(stage, OPTIONS), stage, 5)
     _restart()
-
-    def broken(data: bytes) -> Any:
-        raise RuntimeError("made by another torch")
-
-    monkeypatch.setattr(f"ppcompile.backends.warm_start.{fails}", broken)
+    for name in fails:
+        monkeypatch.setattr(f"ppcompile.backends.warm_start.{name}", _broken)
     warm = ppcompile.warm_compile(stage, OPTIONS)
     with caplog.at_level(logging.WARNING, logger="ppcompile.backends.warm_start"):
         _check(warm, stage, 5)
     assert warm.compiled == 1 and "made by another torch" in caplog.text
+
+
+def test_a_lowered_stage_that_does_not_load_is_compiled_again_from_its_graph(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    stage = make_stage(CFG, 1, 2)
+    _call(ppcompile.warm_compile(stage, OPTIONS), stage, 5)
+    _restart()
+    monkeypatch.setattr("ppcompile.backends.warm_start.loads_compiled_stage", _broken)
+    traces = ppcompile.counters.backend_compiles
+    warm = ppcompile.warm_compile(stage, OPTIONS)
+    with caplog.at_level(logging.WARNING, logger="ppcompile.backends.warm_start"):
+        for n in (5, 4, 9):
+            _check(warm, stage, n)
+    assert (warm.loaded, warm.compiled) == (1, 0)  # no Dynamo trace: the stored graph went through the passes
+    assert ppcompile.counters.backend_compiles == traces + 1
+    assert "a stored lowered stage does not load" in caplog.text
+
+
+def test_a_stage_whose_lowered_form_cannot_be_stored_restarts_from_its_graph(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(stage: Any) -> bytes:
+        raise StoredStageError("segment submod_0 runs an Inductor kernel")
+
+    monkeypatch.setattr("ppcompile.backends.warm_start.dumps_compiled_stage", refuse)
+    stage = make_stage(CFG, 1, 2)
+    _call(ppcompile.warm_compile(stage, OPTIONS), stage, 5)
+    _restart()
+    traces = ppcompile.counters.backend_compiles
+    warm = ppcompile.warm_compile(stage, OPTIONS)
+    _check(warm, stage, 5)
+    assert (warm.loaded, warm.compiled, ppcompile.counters.backend_compiles) == (1, 0, traces + 1)
+    assert "passes" in warm.runtimes()[0].compiled.record.compile_times
 
 
 class Breaks(torch.nn.Module):
@@ -222,7 +262,8 @@ with torch.inference_mode(), set_forward_context(make_forward_context([5], cfg, 
 err = (got - want).abs().max().item()  # the last stage: its output is one tensor
 print(json.dumps({"loaded": warm.loaded, "compiled": warm.compiled, "err": err,
                   "dynamo_traces": sum("dynamo_trace" in rt.compiled.record.compile_times
-                                       for rt in warm.runtimes())}))
+                                       for rt in warm.runtimes()),
+                  "passes_run": sum("passes" in rt.compiled.record.compile_times for rt in warm.runtimes())}))
 '''
 
 
@@ -235,6 +276,6 @@ def test_a_second_process_loads_what_the_first_stored(cache_dir: Path) -> None:
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     cold, warm = runs
-    assert (cold["loaded"], cold["compiled"], cold["dynamo_traces"]) == (0, 1, 1)
-    assert (warm["loaded"], warm["compiled"], warm["dynamo_traces"]) == (1, 0, 0)
+    assert (cold["loaded"], cold["compiled"], cold["dynamo_traces"], cold["passes_run"]) == (0, 1, 1, 1)
+    assert (warm["loaded"], warm["compiled"], warm["dynamo_traces"], warm["passes_run"]) == (1, 0, 0, 0)
     assert cold["err"] < 1e-5 and warm["err"] < 1e-5

@@ -1,0 +1,98 @@
+"""A lowered stage (``CompiledStage``) to bytes and back, for warm restarts that skip the passes.
+
+A restart that reads back the Dynamo graph (``graph_codec``) still rebuilds every node's fake value and
+runs the passes and the lowering again. What they produce is plain data (segments, slots, bucket plan,
+size expressions, layouts) plus the segments' callables; when those are graph modules (eager segments,
+and the break segments of any stage), the whole ``CompiledStage`` pickles, and a restart serves it as
+it is. Graph modules travel as their nodes (``graph_codec``) without node metadata, so the split
+module kept for dumps and diagnoses comes back without fake values.
+
+Any other callable (an Inductor-compiled segment, a Python function) is refused with
+``StoredStageError``: such a stage is stored as its Dynamo graph only and compiled again on restart.
+The record keeps the split module, the segment compiles and the region traces; the first process's
+compile id and times are not carried (the restart's record says how long reading it back took).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import dataclasses
+import functools
+import io
+import pickle
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ppcompile.lowering.program import SingleOutput
+from ppcompile.runtime.compiled_stage import CompiledStage, CompileRecord
+
+from .graph_codec import graph_from_records, graph_records
+
+__all__ = ["StoredStageError", "dumps_compiled_stage", "loads_compiled_stage"]
+
+_FORMAT = "ppcompile-compiled-stage-1"
+
+
+class StoredStageError(ValueError):
+    """A lowered stage that cannot be stored or read back (the restart then compiles its graph)."""
+
+
+def _frozen(mapping: dict[Any, Any]) -> Mapping[Any, Any]:
+    return types.MappingProxyType(mapping)
+
+
+def _graph_module(records: list[tuple[Any, ...]], attrs: dict[str, Any]) -> torch.fx.GraphModule:
+    return torch.fx.GraphModule(attrs, graph_from_records(records))
+
+
+class _StagePickler(pickle.Pickler):
+    """Read-only mappings as such; a graph module as its nodes and the attributes they name (its own
+    ``__reduce__`` writes its code, which reading back traces again: several times slower)."""
+
+    dispatch_table = {**copyreg.dispatch_table, types.MappingProxyType: lambda m: (_frozen, (dict(m),))}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.fx.GraphModule):
+            return NotImplemented
+        named = {str(n.target) for n in obj.graph.nodes if n.op in ("get_attr", "call_module")}
+        attrs = {t: functools.reduce(getattr, t.split("."), obj) for t in named}
+        return _graph_module, (graph_records(obj.graph), attrs)
+
+
+def _generated_code(fn: Any) -> bool:
+    """``fn`` is a graph module's generated ``forward`` (bare, or returning its one output in a tuple)."""
+    fn = fn.fn if isinstance(fn, SingleOutput) else fn
+    return isinstance(fn, types.MethodType) and isinstance(fn.__self__, torch.fx.GraphModule) \
+        and fn.__name__ == "forward"
+
+
+def dumps_compiled_stage(stage: CompiledStage) -> bytes:
+    """``stage`` as bytes; ``StoredStageError`` when a part of it cannot be stored."""
+    for step in stage.program.steps:
+        for fn in (step.fn, step.call):
+            if fn is not None and not _generated_code(fn):
+                raise StoredStageError(f"segment {step.segment.name} runs {fn!r}, not a graph module's code")
+    record = stage.record
+    kept = CompileRecord(split_module=record.split_module, segment_compiles=record.segment_compiles,
+                         region_traces=record.region_traces)
+    buffer = io.BytesIO()
+    try:
+        _StagePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(
+            (_FORMAT, dataclasses.replace(stage, record=kept)))
+    except Exception as e:  # a value pickle refuses (a fake tensor, a lock, a local class)
+        raise StoredStageError(f"{type(e).__name__}: {e}") from e
+    return buffer.getvalue()
+
+
+def loads_compiled_stage(data: bytes) -> CompiledStage:
+    """The stage ``dumps_compiled_stage`` wrote; ``StoredStageError`` when the bytes do not hold one."""
+    try:
+        fmt, stage = pickle.loads(data)
+    except Exception as e:
+        raise StoredStageError(f"{type(e).__name__}: {e}") from e
+    if fmt != _FORMAT or not isinstance(stage, CompiledStage):
+        raise StoredStageError(f"not a stored stage of this ppcompile ({fmt!r})")
+    return stage
