@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import sys
 import weakref
 from collections.abc import Callable
@@ -202,7 +203,11 @@ def undeclare(target: type[nn.Module] | nn.Module | Callable[..., Any]) -> None:
         del target.forward  # the instance attribute: the class's forward shows again
 
 
+# Key -> module. A key is the class and the declaration's rank in the process, not the module's id: a
+# process that builds and declares its model as the last one did gets the same keys, so the compiles it
+# stored (``warm_compile``; the key is a constant its guards check) apply again.
 _OPAQUE: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
+_DECLARED = itertools.count()
 
 
 @torch.library.custom_op("ppcompile::opaque_module", mutates_args=())
@@ -244,7 +249,7 @@ def opaque_module(module: nn.Module) -> nn.Module:
     named = [p.name for p in signature if p.kind not in variadic][1:]  # after self
     if not named:
         raise TypeError(f"opaque_module: {class_label(type(module))}.forward takes no input")
-    key = f"{class_label(type(module))}@{id(module):x}"
+    key = f"{class_label(type(module))}#{next(_DECLARED)}"
     _OPAQUE[key] = module
     first, others = named[0], frozenset(named[1:])
 

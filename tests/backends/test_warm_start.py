@@ -279,3 +279,48 @@ def test_a_second_process_loads_what_the_first_stored(cache_dir: Path) -> None:
     assert (cold["loaded"], cold["compiled"], cold["dynamo_traces"], cold["passes_run"]) == (0, 1, 1, 1)
     assert (warm["loaded"], warm["compiled"], warm["dynamo_traces"], warm["passes_run"]) == (1, 0, 0, 0)
     assert cold["err"] < 1e-5 and warm["err"] < 1e-5
+
+
+_OPAQUE_CHILD = '''
+import json, torch, ppcompile
+from torch import nn
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, state=None):
+        return x @ self.w
+
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.mix, self.down = nn.Linear(8, 8), ppcompile.opaque_module(Mixer()), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.down(self.mix(torch.relu(self.up(x))))
+
+torch.manual_seed(0)
+stage = Stage()
+warm = ppcompile.warm_compile(stage, {"graph_mode": "emulate", "capture_sizes": [4, 8]})
+x = torch.randn(5, 8)
+ppcompile.mark_token_dynamic(x)
+with torch.no_grad():
+    err = (warm(x) - stage(x)).abs().max().item()
+print(json.dumps({"loaded": warm.loaded, "compiled": warm.compiled, "err": err}))
+'''
+
+
+def test_a_stage_with_an_opaque_module_restarts_warm(cache_dir: Path) -> None:
+    """The opaque op's key (a constant Dynamo guards) is the same in a process that builds the model
+    the same way, so the stored compile applies again."""
+    env = {**os.environ, "PPCOMPILE_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _OPAQUE_CHILD], env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert [(r["loaded"], r["compiled"]) for r in runs] == [(0, 1), (1, 0)]
+    assert max(r["err"] for r in runs) < 1e-5
