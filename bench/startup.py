@@ -14,7 +14,7 @@ stage's compile record and capture records.
 
 - **store / restart**: ``ppcompile.warm_compile`` in a cache directory of the row's own (ppcompile's
   and Inductor's): the first process traces and stores the stage, the second reads it back and skips
-  Dynamo's trace (and, with eager segments, the passes).
+  Dynamo's trace, the passes and the segment compiles.
 
 Prints the table and the issue's targets (cold, 32 vs 4 layers: at most 1.5x with eager segments and
 1.3x with Inductor's, traced once; a restart at most 0.25x cold). Run: ``python bench/startup.py [--write]``
@@ -97,8 +97,8 @@ def render(results: dict[str, Any]) -> str:
            "`+ warm start`: `ppcompile.warm_compile(stage, options)` instead of `torch.compile`, in a "
            "cache directory of its own (ppcompile's and Inductor's); store: its first process, which "
            "traces and stores; restart: the next process, which skips Dynamo's trace and reads back "
-           "(read back) the stored lowered stage (eager segments: no passes run) or the stored stage "
-           "graph (Inductor segments: the passes run on it). With Inductor segments a store row also "
+           "(read back) the stored lowered stage, Inductor's kernels included: no passes or segment "
+           "compiles run. With Inductor segments a store row also "
            "pays Inductor's one-time CPU-ISA probe (its cache directory starts empty). Regions: calls "
            "through nested compile regions / distinct traces of them.", ""]
     table = [[r["layers"], r["compiler"], r["start"], f"{r['region_calls']} / {r['region_traces']}",

@@ -46,6 +46,7 @@ from ppcompile.torch_internals import (
 )
 from ppcompile.torch_internals import shape_env_facts as _shape_facts  # a name tests patch
 
+from .stored_kernels import storable_compile
 from .structural_key import clear_pinned, structural_key
 
 __all__ = [
@@ -249,7 +250,7 @@ def _compile_shared(
     start = time.perf_counter()
     before = _shape_facts(shape_env)
     patches = segment_inductor_config(ctx.config)
-    fn = _compile_symbolic(sub, patches)
+    fn = storable_compile(sub, lambda: _compile_symbolic(sub, patches))  # warm_compile stores it
     # A guard Inductor added is installed for this Dynamo graph only: confine the artifact to it.
     confined = weakref.ref(shape_env) if _shape_facts(shape_env) != before else None
     if confined is not None:

@@ -2,13 +2,15 @@
 
 A restart that reads back the Dynamo graph (``graph_codec``) still rebuilds every node's fake value and
 runs the passes and the lowering again. What they produce is plain data (segments, slots, bucket plan,
-size expressions, layouts) plus the segments' callables; when those are graph modules (eager segments,
-and the break segments of any stage), the whole ``CompiledStage`` pickles, and a restart serves it as
-it is. Graph modules travel as their nodes (``graph_codec``) without node metadata, so the split
-module kept for dumps and diagnoses comes back without fake values.
+size expressions, layouts) plus the segments' callables. When each of those is a graph module's code
+(eager segments, and the break segments of any stage) or an Inductor kernel whose cache artifacts torch
+recorded (``stored_kernels``), the whole ``CompiledStage`` pickles, and a restart serves it as it is.
+Graph modules travel as their nodes (``graph_codec``) without node metadata, so the split module kept
+for dumps and diagnoses comes back without fake values.
 
-Any other callable (an Inductor-compiled segment, a Python function) is refused with
-``StoredStageError``: such a stage is stored as its Dynamo graph only and compiled again on restart.
+Any other callable (a kernel compiled with Inductor's caches off, one specialised to a bucket by
+``compile_sizes``, a Python function) is refused with ``StoredStageError``: such a stage is stored as
+its Dynamo graph only and compiled again on restart.
 The record keeps the split module, the segment compiles and the region traces; the first process's
 compile id and times are not carried (the restart's record says how long reading it back took).
 """
@@ -30,6 +32,7 @@ from ppcompile.lowering.program import SingleOutput
 from ppcompile.runtime.compiled_stage import CompiledStage, CompileRecord
 
 from .graph_codec import graph_from_records, graph_records
+from .stored_kernels import StoredKernel, load_kernel
 
 __all__ = ["StoredStageError", "dumps_compiled_stage", "loads_compiled_stage"]
 
@@ -50,11 +53,14 @@ def _graph_module(records: list[tuple[Any, ...]], attrs: dict[str, Any]) -> torc
 
 class _StagePickler(pickle.Pickler):
     """Read-only mappings as such; a graph module as its nodes and the attributes they name (its own
-    ``__reduce__`` writes its code, which reading back traces again: several times slower)."""
+    ``__reduce__`` writes its code, which reading back traces again: several times slower); an Inductor
+    kernel as its recorded artifacts and key (``stored_kernels``)."""
 
     dispatch_table = {**copyreg.dispatch_table, types.MappingProxyType: lambda m: (_frozen, (dict(m),))}
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, StoredKernel):
+            return load_kernel, (obj.artifacts, obj.key, obj.single_output)
         if not isinstance(obj, torch.fx.GraphModule):
             return NotImplemented
         named = {str(n.target) for n in obj.graph.nodes if n.op in ("get_attr", "call_module")}
@@ -62,9 +68,12 @@ class _StagePickler(pickle.Pickler):
         return _graph_module, (graph_records(obj.graph), attrs)
 
 
-def _generated_code(fn: Any) -> bool:
-    """``fn`` is a graph module's generated ``forward`` (bare, or returning its one output in a tuple)."""
+def _storable(fn: Any) -> bool:
+    """``fn`` (bare, or returning its one output in a tuple) is a graph module's generated ``forward``
+    or an Inductor kernel with its recorded artifacts."""
     fn = fn.fn if isinstance(fn, SingleOutput) else fn
+    if isinstance(fn, StoredKernel):
+        return True
     return isinstance(fn, types.MethodType) and isinstance(fn.__self__, torch.fx.GraphModule) \
         and fn.__name__ == "forward"
 
@@ -73,8 +82,9 @@ def dumps_compiled_stage(stage: CompiledStage) -> bytes:
     """``stage`` as bytes; ``StoredStageError`` when a part of it cannot be stored."""
     for step in stage.program.steps:
         for fn in (step.fn, step.call):
-            if fn is not None and not _generated_code(fn):
-                raise StoredStageError(f"segment {step.segment.name} runs {fn!r}, not a graph module's code")
+            if fn is not None and not _storable(fn):
+                raise StoredStageError(f"segment {step.segment.name} runs {fn!r}, neither a graph module's "
+                                       "code nor an Inductor kernel torch recorded")
     record = stage.record
     kept = CompileRecord(split_module=record.split_module, segment_compiles=record.segment_compiles,
                          region_traces=record.region_traces)

@@ -42,6 +42,7 @@ from ppcompile.torch_internals.precompile import (
 
 from .graph_codec import GraphCodecError, dumps_stage_graph, loads_stage_graph
 from .pp_breakable import compile_stage, pp_breakable, serve_stage
+from .stored_kernels import storing_kernels
 from .stored_stage import StoredStageError, dumps_compiled_stage, loads_compiled_stage
 from .warm_cache import artifact_path, module_digests, read_entries, stage_key, write_entries
 
@@ -136,7 +137,9 @@ def _backend(options: Mapping[str, Any], graphs: list[StoredStageGraph]) -> Any:
             graph, why = dumps_stage_graph(gm), None  # before the passes, which rewrite gm
         except GraphCodecError as e:
             graph, why = None, str(e)
-        stored = StoredStageGraph(graph, options, pp_breakable(gm, example_inputs, options), why)
+        with storing_kernels():  # Inductor segments keep what a restart loads them from
+            runtime = pp_breakable(gm, example_inputs, options)
+        stored = StoredStageGraph(graph, options, runtime, why)
         graphs.append(stored)
         return stored
 

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import io
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sympy
 import torch
@@ -22,12 +22,13 @@ from ppcompile.torch_internals import shape_env_guards, shape_env_hints
 from ppcompile.torch_internals.lookup import attr, lookup
 
 __all__ = [
-    "SerializableCallable", "aot_compile", "aot_guard_check", "aot_traced_modules", "dumps_aot",
-    "fake_tensor", "loads_aot", "new_fake_mode", "operator_name", "operator_named", "shape_env_of_fake_mode",
-    "shape_env_state", "symbolic_value",
+    "SerializableCallable", "aot_compile", "aot_guard_check", "aot_traced_modules", "compile_recording",
+    "dumps_aot", "fake_tensor", "load_recorded", "loads_aot", "new_fake_mode", "operator_name",
+    "operator_named", "shape_env_of_fake_mode", "shape_env_state", "symbolic_value",
 ]
 
 _WHY = "for warm restarts"
+_T = TypeVar("_T")
 # Dynamo's per-tensor dim marks (``mark_dynamic`` and kin). A reloaded guard cannot know the marks its
 # trace saw and rejects any marked tensor; the marks only steer a trace, so checks run without them.
 _DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
@@ -63,6 +64,32 @@ def aot_compile(fn: Callable[..., Any], backend: Callable[..., Any], args: Seque
         compiled = torch.compile(fn, fullgraph=True, backend=with_callers_settings)
         run = attr(compiled, "aot_compile", "torch.compile(...)", _WHY)
         return run((tuple(args), dict(kwargs)))
+
+
+def compile_recording(compile: Callable[[], _T]) -> tuple[_T, tuple[bytes, str] | None]:
+    """``compile()`` (one Inductor compile), with the cache artifacts it wrote or read (torch's
+    "mega-cache" bytes) and its AOTAutograd cache key: what :func:`load_recorded` loads it from in
+    another process. None when torch recorded no single artifact (its caches off, or several compiles).
+    The artifacts are recorded apart from any recording of the caller's (``save_cache_artifacts``)."""
+    manager = lookup("torch.compiler._cache", "CacheArtifactManager", _WHY)
+    with manager.with_fresh_cache():
+        result = compile()
+        saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return result, None
+    data, info = saved
+    keys = list(attr(info, "aot_autograd_artifacts", "CacheInfo", _WHY))
+    return result, ((data, keys[0]) if len(keys) == 1 else None)
+
+
+def load_recorded(data: bytes, key: str) -> Callable[..., Any]:
+    """The compiled function :func:`compile_recording` recorded: its artifacts are put in Inductor's
+    caches and the function is loaded by its key, with no graph, trace or key computation."""
+    torch.compiler.load_cache_artifacts(data)
+    artifact = lookup("torch._inductor.standalone_compile", "CacheCompiledArtifact", _WHY)
+    load = attr(artifact, "_load_impl", "CacheCompiledArtifact", _WHY)
+    loaded: Callable[..., Any] = load(contextlib.nullcontext(), key)
+    return loaded
 
 
 def dumps_aot(compiled: Any) -> bytes:

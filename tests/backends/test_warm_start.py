@@ -324,3 +324,20 @@ def test_a_stage_with_an_opaque_module_restarts_warm(cache_dir: Path) -> None:
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert [(r["loaded"], r["compiled"]) for r in runs] == [(0, 1), (1, 0)]
     assert max(r["err"] for r in runs) < 1e-5
+
+
+def test_a_restart_with_inductor_segments_loads_their_kernels_without_the_passes() -> None:
+    options = {**OPTIONS, "segment_compiler": "inductor"}
+    stage = make_stage(CFG, 1, 2)
+    first = ppcompile.warm_compile(stage, options)
+    _check(first, stage, 5)
+    _restart()
+    compiles, traces = ppcompile.counters.segment_compiles, ppcompile.counters.backend_compiles
+    again = ppcompile.warm_compile(make_stage(CFG, 1, 2), options)
+    for n in (5, 4, 8, 9, 17):  # traced, a bucket, the cap, cap + 1 and above (eager)
+        _check(again, stage, n)
+    assert (again.loaded, again.compiled) == (1, 0)
+    # Neither the passes nor a segment compile ran: the kernels were loaded by their cache keys.
+    assert (ppcompile.counters.segment_compiles, ppcompile.counters.backend_compiles) == (compiles, traces)
+    (runtime,) = again.runtimes()
+    assert set(runtime.compiled.record.compile_times) == {"read_back"}
