@@ -2,9 +2,10 @@
 
 One file per stage key under ``<PPCOMPILE_CACHE_DIR>/stages/``. The key hashes what a compile depends
 on that no guard sees: the torch, Python and ppcompile versions, ppcompile's own source, the options,
-the stage's class and the names, shapes and dtypes of its parameters and buffers. The model's code is
-checked per artifact: each records a digest of every module Dynamo traced code from (torch's own are
-covered by its version), and an artifact whose module changed is stale. Reads and writes never raise:
+the stage's class, the names, shapes and dtypes of its parameters and buffers, and the process's rank
+in a distributed job. The model's code is checked per artifact: each records a digest of every module
+Dynamo traced code from (torch's own are covered by its version), and an artifact whose module changed
+is stale. Reads and writes never raise:
 an unreadable or stale file is a miss, and a file is replaced whole (written aside, then renamed).
 """
 
@@ -74,6 +75,13 @@ def _package_digest() -> str:
     return digest.hexdigest()
 
 
+def _global_rank() -> int | None:
+    """This process's rank in the job, or None outside one: ranks of a TP or PP group may hold stages
+    alike in class and shapes whose compiles differ (their groups, rank-specific code)."""
+    distributed = torch.distributed
+    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else None
+
+
 def stage_key(stage: torch.nn.Module, options: Mapping[str, Any] | None, name: str | None) -> str:
     """The cache key of ``stage`` compiled with ``options``."""
     config = PPBreakableConfig.from_options(options).as_dict()
@@ -81,7 +89,7 @@ def stage_key(stage: torch.nn.Module, options: Mapping[str, Any] | None, name: s
                                                             *stage.named_buffers())]
     parts = {
         "format": FORMAT, "torch": torch.__version__, "python": sys.version, "machine": platform.machine(),
-        "ppcompile": _package_digest(), "options": config, "name": name,
+        "ppcompile": _package_digest(), "options": config, "name": name, "rank": _global_rank(),
         "class": f"{type(stage).__module__}.{type(stage).__qualname__}", "state": state,
     }
     text = json.dumps(parts, sort_keys=True, default=repr)

@@ -247,11 +247,29 @@ class WarmStage:
             data = None
             log.warning("warm restart: %s cannot be stored (%s: %s); a restart compiles it again",
                         type(self.stage).__name__, type(e).__name__, e)
+        if data is not None and (held := _process_group_held(self.stage)) is not None:
+            data = self._loadable(data, held)
         self._artifacts.append(_Artifact(data, digests, compiled))
         self.compiled += 1
         if data is not None:
             write_entries(self.key, [(a.data, a.digests) for a in self._artifacts if a.data is not None])
         return compiled
+
+    def _loadable(self, data: bytes, held: str) -> bytes | None:
+        """``data`` if it loads here; else None, with why. Dynamo guards a process group the traced code
+        reads from a module by the object, which no other process can rebuild: checked where a stage
+        holds one (a load costs as much as a restart's), rather than on every store."""
+        try:
+            with _loading(self.options, []):
+                loads_aot(data)
+        except Exception as e:
+            log.warning("warm restart: %s is not stored: its Dynamo guards on the process group %s holds "
+                        "cannot be rebuilt in another process (%s: %s). Hold the group's name instead "
+                        "(group.group_name, which functional collectives take), or run the collective as a "
+                        "custom op (options collective_ops and tp_group)", type(self.stage).__name__, held,
+                        type(e).__name__, e)
+            return None
+        return data
 
     def _fall_back(self, why: str) -> None:
         log.warning("warm restart: %s is compiled without warm restarts, as torch.compile compiles it: %s",
@@ -259,6 +277,17 @@ class WarmStage:
         self.fallback_reason = why
         self._fallback = torch.compile(self.stage, backend="pp_breakable", options=self.options)
         return None
+
+
+def _process_group_held(stage: torch.nn.Module) -> str | None:
+    """The first ``Class.attribute`` of ``stage``'s modules that holds a process group, or None."""
+    if not torch.distributed.is_available():
+        return None
+    for module in stage.modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.distributed.ProcessGroup):
+                return f"{type(module).__name__}.{name}"
+    return None
 
 
 def warm_compile(stage: torch.nn.Module, options: Mapping[str, Any] | None = None, *,

@@ -263,3 +263,66 @@ def _undeclared_worker(rank: int, world: int) -> str:
 def test_declared_collective_ops_without_tp_group_fail_at_compile() -> None:
     for message in spawn_ranks(_undeclared_worker, 2, threads=1, timeout_s=120):
         assert "tp_group" in message and "pptest.tp_all_reduce" in message, message
+
+
+def _warm_worker(rank: int, world: int, cache_dir: str, style: str) -> dict[str, Any]:
+    """One process start of a TP stage under ``ppcompile.warm_compile`` (the rank keys each rank's file:
+    the ranks' stages are alike in class and shapes). ``funcol_name``: the model holds the group's name."""
+    import logging
+    import os
+
+    os.environ["PPCOMPILE_CACHE_DIR"] = cache_dir
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ppcompile.backends.warm_start").addHandler(handler)
+    group = dist.new_group(list(range(world)))
+    options: dict[str, Any] = {"graph_mode": "emulate", "capture_sizes": SIZES}
+    if style.startswith("custom"):
+        options |= {"collective_ops": list(CUSTOM_OPS), "tp_group": group}
+    held = group.group_name if style == "funcol_name" else group
+    model = ToyTP(LAYERS, style=style.removesuffix("_name"), size=world, rank=rank, group=held)
+    warm = ppcompile.warm_compile(model, options)
+    outs, paths = {}, []
+    with torch.inference_mode():
+        for n in COUNTS:
+            replays = ppcompile.counters.replays
+            x = _inputs(n)
+            ppcompile.mark_token_dynamic(x)
+            with attention_context(n, LAYERS):
+                outs[n] = warm(x).clone()
+            paths.append("graph" if ppcompile.counters.replays > replays else "eager")
+    (runtime,) = [rt for rt in warm.runtimes() if rt.token_symbol is not None]
+    return {"outs": outs, "paths": paths, "loaded": warm.loaded, "compiled": warm.compiled,
+            "fallback": warm.fallback_reason, "times": sorted(runtime.compiled.record.compile_times),
+            "group_size": runtime.agreement.size, "agreed": runtime.agreement.collectives,
+            "warnings": warnings}
+
+
+@pytest.mark.parametrize("style", ["funcol_name", "custom", "funcol"])
+def test_a_tp_stage_restarts_warm_on_every_rank(style: str, tmp_path: Any) -> None:
+    """The second start of both ranks serves the stored lowered stage: same answers, same paths, and
+    the ranks still agree at capture. A model that holds the process group itself is not stored (Dynamo
+    cannot rebuild its guard on the object elsewhere): every start compiles, and says why."""
+    want = _reference()
+    starts = [spawn_ranks(_warm_worker, 2, args=(str(tmp_path), style), threads=1, timeout_s=240)
+              for _ in range(2)]
+    for start, results in enumerate(starts):
+        for rank, got in enumerate(results):
+            for n in COUNTS:
+                torch.testing.assert_close(got["outs"][n], want[n], atol=1e-5, rtol=0,
+                                           msg=lambda m, at=(start, rank, n): f"start, rank, n {at}: {m}")
+            assert got["fallback"] is None and got["group_size"] == 2 and got["agreed"] > 0, got
+    first, second = starts
+    assert [(r["loaded"], r["compiled"]) for r in first] == [(0, 2), (0, 2)]  # one token, then symbolic
+    assert second[0]["paths"] == first[0]["paths"] == second[1]["paths"]
+    if style == "funcol":
+        assert [(r["loaded"], r["compiled"]) for r in second] == [(0, 2), (0, 2)]
+        assert not list(tmp_path.glob("stages/*"))
+        assert all("not stored" in w and "ToyTP.group" in w for r in first for w in r["warnings"]), first
+        assert all(r["warnings"] for r in first)
+        return
+    assert not any(r["warnings"] for start in starts for r in start)
+    assert [(r["loaded"], r["compiled"]) for r in second] == [(2, 0), (2, 0)]
+    assert all(r["times"] == ["read_back"] for r in second)  # no trace, no passes
+    assert len(list(tmp_path.glob("stages/*"))) == 2  # one file per rank
