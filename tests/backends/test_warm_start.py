@@ -267,15 +267,20 @@ print(json.dumps({"loaded": warm.loaded, "compiled": warm.compiled, "err": err,
 '''
 
 
-def test_a_second_process_loads_what_the_first_stored(cache_dir: Path) -> None:
+def _two_starts(code: str, cache_dir: Path) -> list[dict[str, Any]]:
+    """What ``code`` printed last (JSON) in each of two fresh processes sharing ``cache_dir``."""
     env = {**os.environ, "PPCOMPILE_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT)}
     runs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                               timeout=300, check=False)
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
+    return runs
+
+
+def test_a_second_process_loads_what_the_first_stored(cache_dir: Path) -> None:
+    cold, warm = _two_starts(_CHILD, cache_dir)
     assert (cold["loaded"], cold["compiled"], cold["dynamo_traces"], cold["passes_run"]) == (0, 1, 1, 1)
     assert (warm["loaded"], warm["compiled"], warm["dynamo_traces"], warm["passes_run"]) == (1, 0, 0, 0)
     assert cold["err"] < 1e-5 and warm["err"] < 1e-5
@@ -315,13 +320,7 @@ print(json.dumps({"loaded": warm.loaded, "compiled": warm.compiled, "err": err})
 def test_a_stage_with_an_opaque_module_restarts_warm(cache_dir: Path) -> None:
     """The opaque op's key (a constant Dynamo guards) is the same in a process that builds the model
     the same way, so the stored compile applies again."""
-    env = {**os.environ, "PPCOMPILE_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT)}
-    runs = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _OPAQUE_CHILD], env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    runs = _two_starts(_OPAQUE_CHILD, cache_dir)
     assert [(r["loaded"], r["compiled"]) for r in runs] == [(0, 1), (1, 0)]
     assert max(r["err"] for r in runs) < 1e-5
 
