@@ -302,8 +302,9 @@ def _warm_worker(rank: int, world: int, cache_dir: str, style: str) -> dict[str,
 @pytest.mark.parametrize("style", ["funcol_name", "custom", "funcol"])
 def test_a_tp_stage_restarts_warm_on_every_rank(style: str, tmp_path: Any) -> None:
     """The second start of both ranks serves the stored lowered stage: same answers, same paths, and
-    the ranks still agree at capture. A model that holds the process group itself is not stored (Dynamo
-    cannot rebuild its guard on the object elsewhere): every start compiles, and says why."""
+    the ranks still agree at capture. A model that holds the process group itself is stored only where
+    Dynamo rebuilds its guard on the object in another process (torch 2.11 does, 2.13 does not); where it
+    is not, every start compiles and says why."""
     want = _reference()
     starts = [spawn_ranks(_warm_worker, 2, args=(str(tmp_path), style), threads=1, timeout_s=240)
               for _ in range(2)]
@@ -316,7 +317,7 @@ def test_a_tp_stage_restarts_warm_on_every_rank(style: str, tmp_path: Any) -> No
     first, second = starts
     assert [(r["loaded"], r["compiled"]) for r in first] == [(0, 2), (0, 2)]  # one token, then symbolic
     assert second[0]["paths"] == first[0]["paths"] == second[1]["paths"]
-    if style == "funcol":
+    if style == "funcol" and second[0]["loaded"] == 0:  # torch 2.13 cannot rebuild the group's guard
         assert [(r["loaded"], r["compiled"]) for r in second] == [(0, 2), (0, 2)]
         assert not list(tmp_path.glob("stages/*"))
         assert all("not stored" in w and "ToyTP.group" in w for r in first for w in r["warnings"]), first
