@@ -10,9 +10,9 @@ for dumps and diagnoses comes back without fake values.
 
 Any other callable (a kernel compiled with Inductor's caches off, one specialised to a bucket by
 ``compile_sizes``, a Python function) is refused with ``StoredStageError``: such a stage is stored as
-its Dynamo graph only and compiled again on restart.
-The record keeps the split module, the segment compiles and the region traces; the first process's
-compile id and times are not carried (the restart's record says how long reading it back took).
+its Dynamo graph only and compiled again on restart. The record keeps the split module, the segment
+compiles and the region traces; the first process's compile id and times are not carried (the
+restart's record says how long reading it back took).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ on that no guard sees: the torch, Python and ppcompile versions, ppcompile's own
 the stage's class, the names, shapes and dtypes of its parameters and buffers, and the process's rank
 in a distributed job. The model's code is checked per artifact: each records a digest of every module
 Dynamo traced code from (torch's own are covered by its version), and an artifact whose module changed
-is stale. Reads and writes never raise:
-an unreadable or stale file is a miss, and a file is replaced whole (written aside, then renamed).
+is stale. Reads and writes never raise: an unreadable or stale file is a miss, and a file is replaced
+whole (written aside, then renamed).
 """
 
 from __future__ import annotations

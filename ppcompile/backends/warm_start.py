@@ -4,12 +4,12 @@
 trace grows with the layer count. ``warm_compile`` traces it ahead of time instead (Dynamo's
 ``aot_compile``, whole graph) and stores the result: Dynamo's bytecode and guards, the stage graph as
 Dynamo handed it to the backend (``graph_codec``), and the lowered stage when it can be stored
-(``stored_stage``: eager segments). A later process with the same key (``warm_cache``) loads it, checks
-its guards, and on the first call serves the lowered stage, or runs ppcompile's passes and segment
-compiles on the stored graph; either way Dynamo does not trace, and capture runs as usual. A call whose
-guards fail compiles and stores one more artifact, as Dynamo would recompile. A stage that cannot be
-traced whole, or whose graph cannot be stored, is served as ``torch.compile`` serves it, with one log
-line saying why.
+(``stored_stage``; Inductor kernels through ``stored_kernels``). A later process with the same key
+(``warm_cache``) loads it, checks its guards, and on the first call serves the lowered stage, or runs
+ppcompile's passes and segment compiles on the stored graph; either way Dynamo does not trace, and
+capture runs as usual. A call whose guards fail compiles and stores one more artifact, as Dynamo would
+recompile. A stage that cannot be traced whole, or whose graph cannot be stored, is served as
+``torch.compile`` serves it, with one log line saying why.
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ class StoredStageGraph(SerializableCallable):
         self.graph, self.options, self.runtime, self.why_not_stored = graph, options, runtime, why_not_stored
         self.lowered = lowered
         self.load_seconds: float | None = None
-        self.restored_lowered = False  # the runtime serves the stored lowered stage (no passes ran)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: StoredStageGraph) -> bytes:
@@ -117,7 +116,6 @@ class StoredStageGraph(SerializableCallable):
                             "is compiled again", type(e).__name__, e)
             else:
                 self.load_seconds = seconds = time.perf_counter() - start
-                self.restored_lowered = True
                 restored = dataclasses.replace(stage, record=dataclasses.replace(
                     stage.record, compile_times=types.MappingProxyType({"read_back": seconds})))
                 return serve_stage(restored, config, args)
