@@ -7,6 +7,10 @@ in a distributed job. The model's code is checked per artifact: each records a d
 Dynamo traced code from (torch's own are covered by its version), and an artifact whose module changed
 is stale. Reads and writes never raise: an unreadable or stale file is a miss, and a file is replaced
 whole (written aside, then renamed).
+
+The files are pickles, and unpickling runs code: a file is read only if it and ``stages/`` belong to
+this process's user and no other user may write them (the directory is made private, ``0o700``). A
+file that fails this is a miss with a warning naming the fix, never loaded.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import pickle
 import platform
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -38,6 +43,7 @@ __all__ = [
     "read_entries",
     "stage_key",
     "stale_modules",
+    "untrusted_reason",
     "warm_cache_dir",
     "write_entries",
 ]
@@ -115,10 +121,31 @@ def stale_modules(digests: Mapping[str, str | None]) -> list[str]:
     return [m for m, d in digests.items() if _module_digest(m) != d]
 
 
+def untrusted_reason(path: Path) -> str | None:
+    """Why ``path`` (a stored file) must not be unpickled, or None: it or its directory belongs to another
+    user, or another user may write it. Where the platform has no user ids, None."""
+    if not hasattr(os, "getuid"):
+        return None
+    uid = os.getuid()
+    for p in (path, path.parent):
+        st = p.stat()
+        if st.st_uid != uid:
+            return f"{p} belongs to uid {st.st_uid}, not to this process's user ({uid})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"{p} may be written by other users (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
 def read_entries(key: str) -> list[tuple[bytes, dict[str, str | None]]]:
     """The artifacts stored under ``key`` whose traced modules are unchanged, each with its digests."""
     path = artifact_path(key)
     try:
+        why = untrusted_reason(path)
+        if why is not None:
+            log.warning("warm restart: %s is not loaded, since %s; compiling afresh (make the directory "
+                        "private to this user, `chmod -R go-w`, or clear it with "
+                        "ppcompile.clear_warm_cache())", path, why)
+            return []
         with path.open("rb") as f:
             stored = pickle.load(f)
     except FileNotFoundError:
@@ -145,7 +172,7 @@ def write_entries(key: str, entries: list[tuple[bytes, dict[str, str | None]]]) 
     path = artifact_path(key)
     root = path.parent
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{key}.")
         with os.fdopen(fd, "wb") as f:
             pickle.dump({"format": FORMAT, "entries": entries}, f)
