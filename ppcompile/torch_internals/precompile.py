@@ -70,16 +70,30 @@ def compile_recording(compile: Callable[[], _T]) -> tuple[_T, tuple[bytes, str] 
     """``compile()`` (one Inductor compile), with the cache artifacts it wrote or read (torch's
     "mega-cache" bytes) and its AOTAutograd cache key: what :func:`load_recorded` loads it from in
     another process. None when torch recorded no single artifact (its caches off, or several compiles).
-    The artifacts are recorded apart from any recording of the caller's (``save_cache_artifacts``)."""
+    The artifacts are recorded apart from the caller's recording, then added to it, so a caller's own
+    ``save_cache_artifacts()`` holds them as it would after a plain compile."""
     manager = lookup("torch.compiler._cache", "CacheArtifactManager", _WHY)
     with manager.with_fresh_cache():
         result = compile()
+        recorded = {kind: list(artifacts) for kind, artifacts in _new_artifacts(manager).items()}
         saved = torch.compiler.save_cache_artifacts()
+    seen = attr(manager, "_seen_artifacts", "CacheArtifactManager", _WHY)
+    for kind, artifacts in recorded.items():  # what record_artifact does, for artifacts already encoded
+        for artifact in artifacts:
+            if artifact not in seen:
+                _new_artifacts(manager)[kind].append(artifact)
+                seen.add(artifact)
     if saved is None:
         return result, None
     data, info = saved
     keys = list(attr(info, "aot_autograd_artifacts", "CacheInfo", _WHY))
     return result, ((data, keys[0]) if len(keys) == 1 else None)
+
+
+def _new_artifacts(manager: Any) -> dict[str, list[Any]]:
+    """The artifacts ``manager`` recorded since its last save, by kind."""
+    artifacts: dict[str, list[Any]] = attr(manager, "_new_cache_artifacts", "CacheArtifactManager", _WHY)
+    return artifacts
 
 
 def load_recorded(data: bytes, key: str) -> Callable[..., Any]:

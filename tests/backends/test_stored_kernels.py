@@ -24,12 +24,18 @@ def _two_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x + 1, torch.tanh(x)
 
 
+def _recorded_once(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) - 3
+
+
 def _graph_of(fn: Callable[..., Any]) -> torch.fx.GraphModule:
     """``fn`` as aten ops (a graph of op calls only, as Dynamo's segments are)."""
     aten = torch.ops.aten
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
-    if fn is _one_output:
+    if fn is _recorded_once:
+        graph.output(graph.call_function(aten.sub.Tensor, (graph.call_function(aten.sin.default, (x,)), 3)))
+    elif fn is _one_output:
         graph.output(graph.call_function(aten.relu.default, (graph.call_function(aten.mul.Tensor, (x, 2)),)))
     else:
         added = graph.call_function(aten.add.Tensor, (x, 1))
@@ -85,3 +91,17 @@ def test_with_inductors_caches_off_nothing_is_recorded() -> None:
             storing_kernels():
         fn = storable_compile(*_compiling(_one_output))
     assert not isinstance(fn, StoredKernel)
+
+
+def test_a_callers_own_recording_holds_the_stored_kernels_artifacts() -> None:
+    """Torch's mega-cache (``save_cache_artifacts``) a serving engine ships to other machines: the
+    kernels compiled while storing are in it, as after a plain compile (no other test compiles this
+    graph, so only this compile can have put its key there)."""
+    with storing_kernels():
+        kernel = storable_compile(*_compiling(_recorded_once))
+    assert isinstance(kernel, StoredKernel)
+    saved = torch.compiler.save_cache_artifacts()
+    assert saved is not None
+    assert kernel.key in list(saved[1].aot_autograd_artifacts)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(kernel(x), _recorded_once(x))
