@@ -105,8 +105,9 @@ def stage_config(layers: int, hidden: int = 64) -> ModelConfig:
 
 
 # ------------------------------------------------------------------------------------------ part 1
-def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[str, Any]:
-    """In a fresh process: compile a ``layers``-layer stage, first call at 16 tokens; the breakdown."""
+def child_compile(layers: int, compiler: str, max_tokens: int | None, capture: str = "all") -> dict[str, Any]:
+    """In a fresh process: compile a ``layers``-layer stage, first call at 16 tokens; the breakdown.
+    ``capture``: the stage's capture policy (``"all"``: the first call captures the whole ladder)."""
     from ppcompile.debug.capture import capture_records
 
     torch.set_num_threads(1)
@@ -118,7 +119,8 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None) -> dict[st
     warm_start = compiler.endswith(WARM_START)
     segment_compiler = compiler.removesuffix(WARM_START).removesuffix(NO_DEDUP).removesuffix(REGIONS) \
         .removesuffix(ONCE)
-    options: dict[str, Any] = {"segment_compiler": segment_compiler, "graph_mode": "emulate"}
+    options: dict[str, Any] = {"segment_compiler": segment_compiler, "graph_mode": "emulate",
+                               "capture": capture}
     if compiler.endswith(NO_DEDUP):
         options["dedup_segments"] = False
     if max_tokens is not None:
@@ -342,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", nargs=2, metavar=("LAYERS", "COMPILER"), help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=None, help="cap of the capture ladder")
+    parser.add_argument("--capture", choices=("all", "lazy"), default="all", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=2, help="cold processes per compile row (best)")
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
     parser.add_argument("--steady-layers", type=int, default=32)
@@ -358,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child_compile(int(args.child[0]), args.child[1], args.max_tokens)))
+        print(json.dumps(child_compile(int(args.child[0]), args.child[1], args.max_tokens, args.capture)))
         return
     if args.quick:
         args.layers, args.steady_layers, args.max_tokens = [2, 4], 4, 64

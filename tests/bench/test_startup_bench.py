@@ -34,9 +34,13 @@ def test_the_report_says_which_targets_are_met() -> None:
             rows += [_row(layers, compiler + WARM_START, "store", total * 1.1),
                      {**_row(layers, compiler + WARM_START, "restart", total * restart), "dynamo_trace": None,
                       "read_back": 0.05}]
-    text = render({"info": machine_info("cpu", threads=1), "max_tokens": 64, "repeats": 1, "rows": rows})
+    text = render({"info": machine_info("cpu", threads=1), "max_tokens": 64, "repeats": 1, "capture": "lazy",
+                   "rows": rows})
     assert text.startswith("## Startup\n")
-    assert "capture ladder up to 64" in text
+    assert "capture ladder up to 64, `capture=\"lazy\"` (the first call captures its own bucket" in text
+    whole = render({"info": machine_info("cpu", threads=1), "max_tokens": 64, "repeats": 1, "capture": "all",
+                    "rows": rows})
+    assert "`capture=\"all\"` (the first call captures the whole ladder" in whole
     assert "| 32 | inductor + once | cold |" in text
     assert "- cold, eager + once segments, 32 vs 4 layers: 1.40x (target <= 1.5x: met)" in text
     assert "- cold, inductor + once segments, 32 vs 4 layers: 1.50x (target <= 1.3x: not met)" in text
