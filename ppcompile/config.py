@@ -17,7 +17,8 @@ import torch
 from ppcompile import envs
 
 __all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PPBreakableConfig",
-           "default_capture_ladder", "graph_path_mode", "live_mode_reason", "resolve_graph_mode"]
+           "default_capture_ladder", "graph_path_mode", "is_process_group", "live_mode_reason",
+           "resolve_graph_mode"]
 
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
 """Last size where the seed engine change measured graphs ahead of eager on a PP stage."""
@@ -182,7 +183,7 @@ class PPBreakableConfig:
             _bad("max_capture_tokens", mct, "a positive int")
         for key in _OP_LISTS:
             object.__setattr__(self, key, _checked_ops(key, getattr(self, key)))
-        if self.tp_group is not None and not _is_process_group(self.tp_group):
+        if self.tp_group is not None and not is_process_group(self.tp_group):
             _bad("tp_group", self.tp_group, "a torch.distributed.ProcessGroup (the stage's TP group) or None")
         if self.segment_compiler not in SEGMENT_COMPILERS:
             _bad("segment_compiler", self.segment_compiler, " | ".join(map(repr, SEGMENT_COMPILERS)))
@@ -301,7 +302,8 @@ class PPBreakableConfig:
 _OP_LISTS = ("split_ops", "token_local_ops", "collective_ops")
 
 
-def _is_process_group(group: Any) -> bool:
+def is_process_group(group: Any) -> bool:
+    """Whether ``group`` is a ``torch.distributed.ProcessGroup`` (False where torch has no distributed)."""
     import torch.distributed as dist
 
     return dist.is_available() and isinstance(group, dist.ProcessGroup)

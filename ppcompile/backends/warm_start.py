@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ppcompile.config import PPBreakableConfig
+from ppcompile.config import PPBreakableConfig, is_process_group
 from ppcompile.dynamic import tensors_in
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.torch_internals import tracing_context
@@ -279,11 +279,9 @@ class WarmStage:
 
 def _process_group_held(stage: torch.nn.Module) -> str | None:
     """The first ``Class.attribute`` of ``stage``'s modules that holds a process group, or None."""
-    if not torch.distributed.is_available():
-        return None
     for module in stage.modules():
         for name, value in vars(module).items():
-            if isinstance(value, torch.distributed.ProcessGroup):
+            if is_process_group(value):
                 return f"{type(module).__name__}.{name}"
     return None
 
