@@ -48,7 +48,16 @@ def _frozen(mapping: dict[Any, Any]) -> Mapping[Any, Any]:
 
 
 def _graph_module(records: list[tuple[Any, ...]], attrs: dict[str, Any]) -> torch.fx.GraphModule:
-    return torch.fx.GraphModule(attrs, graph_from_records(records))
+    """The graph module of ``records``. Its child graph modules (a split module's segments) are already
+    built, each its code compiled: they are set after the parent's code is generated, since generating
+    it would compile every child's again."""
+    children = {t: m for t, m in attrs.items() if isinstance(m, torch.fx.GraphModule)}
+    gm = torch.fx.GraphModule({**attrs, **{t: torch.nn.Module() for t in children}},
+                              graph_from_records(records))
+    for target, child in children.items():
+        *path, name = target.split(".")
+        setattr(functools.reduce(getattr, path, gm), name, child)
+    return gm
 
 
 class _StagePickler(pickle.Pickler):

@@ -52,6 +52,38 @@ def test_a_stage_read_back_serves_every_token_count_as_eager() -> None:
     assert ppcompile.runtimes_of(stage)[-1].compiled is after
 
 
+def test_reading_back_compiles_each_graph_modules_code_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    stage = make_stage(CFG, 1, 2)
+    compiled: list[CompiledStage] = []
+    check(stage, torch.compile(stage, backend=_restoring_backend(compiled, [])), CFG, 1, 2, 5)
+    data = dumps_compiled_stage(compiled[0])
+    compiles: list[int] = []
+    recompile = torch.fx.GraphModule.recompile
+
+    def counted(gm: torch.fx.GraphModule) -> Any:
+        compiles.append(id(gm))
+        return recompile(gm)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    back = loads_compiled_stage(data)
+    split = back.record.split_module
+    assert split is not None
+    children = [m for m in split.children() if isinstance(m, torch.fx.GraphModule)]
+    assert len(children) == len(back.segments)
+    assert sorted(compiles) == sorted({*compiles})  # none twice (a parent used to compile its children again)
+    assert {id(m) for m in (split, *children)} <= {*compiles}
+    monkeypatch.undo()
+    check(stage, torch.compile(stage, backend=_serving(back)), CFG, 1, 2, 5)
+    assert ppcompile.runtimes_of(stage)[-1].compiled is back
+
+
+def _serving(stage: CompiledStage) -> Any:
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return serve_stage(stage, CONFIG, example_inputs)
+
+    return backend
+
+
 def test_a_segment_run_by_other_code_is_not_stored() -> None:
     stage = make_stage(CFG, 1, 2)
     compiled: list[CompiledStage] = []
