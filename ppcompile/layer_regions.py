@@ -25,6 +25,9 @@ What decides where the regions go (the traps a region must avoid):
   Outside ``torch.compile`` the wrapped modules run their own ``forward`` directly.
 - **Nothing to share.** Built-in one-op modules (``nn.Linear``, ``nn.LayerNorm``, ...) and modules that
   occur once are not wrapped: a region costs more to stamp out than one op costs to trace.
+- **Regions inside regions.** Repeated modules inside a region (an MoE block's experts) are left to it:
+  its one trace covers them. Wrapped too, each layer's inner modules would route through a wrapper of
+  their own, whose closure torch guards: the outer region would be traced again for every layer.
 
 Under ``torch.compile(dynamic=True)`` the wrapped modules trace flat: torch 2.13's Dynamo fails inside
 regions when every dim is dynamic. Arguments that differ per call (a constant passed to ``forward``)
@@ -130,13 +133,26 @@ def trace_layers_once(stage: nn.Module) -> nn.Module:
                     "the stage is traced flat")
         _PLANS[stage] = ()
         return stage
-    plans = tuple(_plan_group(names, modules) for names, modules in _layer_groups(stage))
-    for plan in plans:
+    plans: list[LayerRegionPlan] = []
+    regions: list[str] = []  # the wrapped modules' names
+    inside: dict[str, int] = {}  # region class -> groups inside its regions, left to them
+    for names, modules in _layer_groups(stage):
+        outer = next((r for r in regions if names[0].startswith(r + ".")), None)
+        if outer is not None:
+            inside[type(modules[0]).__name__] = inside.get(type(modules[0]).__name__, 0) + 1
+            continue
+        plan = _plan_group(names, modules)
+        plans.append(plan)
+        regions += [f"{layer}.{site.path}" if site.path else layer
+                    for site in plan.regions for layer in plan.layers]
         log.info("%s", plan.describe())
+    for cls, count in inside.items():
+        log.info("trace_layers_once: %d group(s) of repeated %s modules lie inside regions; each region's "
+                 "one trace covers them", count, cls)
     if not plans:
         log.info("trace_layers_once: %s has no repeated layers (a list of two or more modules of one "
                  "class); it is traced flat", type(stage).__name__)
-    _PLANS[stage] = plans
+    _PLANS[stage] = tuple(plans)
     return stage
 
 

@@ -94,6 +94,23 @@ def test_the_plan_keeps_per_layer_constants_out_of_regions() -> None:
     assert ppcompile.layer_region_plans(stage) == (plan,)
 
 
+def test_modules_repeated_inside_a_region_are_left_to_it(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = REFERENCE_CONFIGS["small-moe"].replace(num_layers=9)
+    with caplog.at_level(logging.INFO, logger="ppcompile.layer_regions"):
+        stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 3))
+    plans = ppcompile.layer_region_plans(stage) or ()
+    assert [plan.layers for plan in plans] == [("layers.3", "layers.4", "layers.5")]  # none for experts
+    assert "mlp" in {site.path for site in plans[0].regions}
+    experts = [e for i in (3, 4, 5) for e in stage.layers[i].mlp.experts]
+    assert experts and all("forward" not in vars(e) for e in experts)
+    assert "3 group(s) of repeated MLP modules lie inside regions" in caplog.text
+    _, _, runtime = _run_reference("small-moe", once=True)
+    traces = runtime.compiled.record.region_traces
+    assert max(traces.values()) == 3, dict(traces)  # one call per layer: no expert went through a region
+    if region_traces_reused():
+        assert len(traces) == len(plans[0].regions), dict(traces)  # each site traced once, MoE included
+
+
 class _Scale(nn.Module):
     """Returns its input as one output and a view of its result as another, and writes ``acc`` in place:
     what a region may not do without ppcompile's copies."""
