@@ -25,6 +25,10 @@ What decides where the regions go (the traps a region must avoid):
   Outside ``torch.compile`` the wrapped modules run their own ``forward`` directly.
 - **Nothing to share.** Built-in one-op modules (``nn.Linear``, ``nn.LayerNorm``, ...) and modules that
   occur once are not wrapped: a region costs more to stamp out than one op costs to trace.
+- **Too small to pay.** A call of a region costs Dynamo about what tracing a few small modules does, so
+  a module whose subtree holds fewer than ``min_region_modules`` modules with parameters of their own
+  (default 4: a norm holds 1, a SwiGLU MLP 2 or 3, an MoE block or a whole layer more) is traced flat;
+  the plan says so.
 - **Regions inside regions.** Repeated modules inside a region (an MoE block's experts) are left to it:
   its one trace covers them. Wrapped too, each layer's inner modules would route through a wrapper of
   their own, whose closure torch guards: the outer region would be traced again for every layer.
@@ -50,7 +54,8 @@ from torch import nn
 
 from ppcompile.torch_internals import every_dim_dynamic, nested_compile_region
 
-__all__ = ["LayerRegionPlan", "RegionSite", "layer_region_plans", "region_copy", "trace_layers_once"]
+__all__ = ["DEFAULT_MIN_REGION_MODULES", "LayerRegionPlan", "RegionSite", "layer_region_plans", "region_copy",
+           "trace_layers_once"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ _MODULE_INTERNALS = frozenset({
     "_load_state_dict_post_hooks",
 })
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+DEFAULT_MIN_REGION_MODULES = 4
 _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerRegionPlan, ...]] = weakref.WeakKeyDictionary()
 
 
@@ -118,14 +124,19 @@ class LayerRegionPlan:
         return "\n".join(lines)
 
 
-def trace_layers_once(stage: nn.Module) -> nn.Module:
+def trace_layers_once(stage: nn.Module, *, min_region_modules: int = DEFAULT_MIN_REGION_MODULES) -> nn.Module:
     """Makes Dynamo trace each distinct repeated layer of ``stage`` once (see the module docstring).
 
     Apply before ``torch.compile``; changes ``stage`` in place (instance ``forward`` attributes only) and
     returns it. A second call does nothing. Logs the plan at INFO; :func:`layer_region_plans` returns it.
+    ``min_region_modules``: the fewest modules with parameters of their own a region's subtree holds.
     """
     if not isinstance(stage, nn.Module):
         raise TypeError(f"trace_layers_once: expected an nn.Module, got {type(stage).__name__}")
+    if isinstance(min_region_modules, bool) or not isinstance(min_region_modules, int) \
+            or min_region_modules < 1:
+        raise ValueError(f"trace_layers_once: min_region_modules must be an int >= 1, got "
+                         f"{min_region_modules!r}")
     if stage in _PLANS:
         return stage
     if getattr(torch.compiler, "nested_compile_region", None) is None:
@@ -141,7 +152,7 @@ def trace_layers_once(stage: nn.Module) -> nn.Module:
         if outer is not None:
             inside[type(modules[0]).__name__] = inside.get(type(modules[0]).__name__, 0) + 1
             continue
-        plan = _plan_group(names, modules)
+        plan = _plan_group(names, modules, min_region_modules)
         plans.append(plan)
         regions += [f"{layer}.{site.path}" if site.path else layer
                     for site in plan.regions for layer in plan.layers]
@@ -181,21 +192,27 @@ def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward and not isinstance(module, nn.ModuleList)
 
 
-def _plan_group(names: list[str], modules: list[nn.Module]) -> LayerRegionPlan:
+def _plan_group(names: list[str], modules: list[nn.Module], min_modules: int) -> LayerRegionPlan:
     regions: list[RegionSite] = []
     flat: list[tuple[str, str]] = []
-    _place(names, modules, "", regions, flat)
+    _place(names, modules, "", regions, flat, min_modules)
     return LayerRegionPlan(tuple(names), _class_name(type(modules[0])), tuple(regions), tuple(flat))
 
 
 def _place(names: Sequence[str], modules: Sequence[nn.Module], path: str, regions: list[RegionSite],
-           flat: list[tuple[str, str]]) -> None:
+           flat: list[tuple[str, str]], min_modules: int) -> None:
     """Makes ``modules`` (one class, one path in alike layers) a region, or leaves them flat and recurses."""
     difference = _first_difference(names, modules)
     if difference is None:
-        if _worth_a_region(modules[0]):
-            _wrap(modules, path)
-            regions.append(RegionSite(path, _class_name(type(modules[0])), len(modules)))
+        if not _worth_a_region(modules[0]):
+            return
+        held = _modules_with_parameters(modules[0])
+        if held < min_modules:
+            flat.append((path, f"too small to pay for a region ({held} module(s) with parameters, "
+                               f"min_region_modules={min_modules})"))
+            return
+        _wrap(modules, path)
+        regions.append(RegionSite(path, _class_name(type(modules[0])), len(modules)))
         return
     flat.append((path, difference))
     for child_name in dict.fromkeys(n for m in modules for n in m._modules):
@@ -208,7 +225,13 @@ def _place(names: Sequence[str], modules: Sequence[nn.Module], path: str, region
                 group[1].append(kid)
         for kid_names, kid_modules in kids.values():
             if len(kid_modules) > 1:
-                _place(kid_names, kid_modules, f"{path}.{child_name}" if path else child_name, regions, flat)
+                _place(kid_names, kid_modules, f"{path}.{child_name}" if path else child_name, regions, flat,
+                       min_modules)
+
+
+def _modules_with_parameters(module: nn.Module) -> int:
+    """How many modules of ``module``'s subtree (itself included) hold parameters of their own."""
+    return sum(1 for m in module.modules() if next(m.parameters(recurse=False), None) is not None)
 
 
 def _worth_a_region(module: nn.Module) -> bool:

@@ -14,6 +14,7 @@ from stage_checks import assert_close
 from torch import nn
 
 import ppcompile
+from ppcompile.layer_regions import DEFAULT_MIN_REGION_MODULES
 from ppcompile.models import (
     REFERENCE_CONFIGS,
     make_batch,
@@ -42,12 +43,13 @@ def _new_runtimes(before: list[StageRuntime]) -> list[StageRuntime]:
     return [rt for rt in ppcompile.stage_runtimes() if not any(rt is b for b in before)]
 
 
-def _run_reference(name: str, once: bool) -> tuple[list[Any], list[Any], StageRuntime]:
+def _run_reference(name: str, once: bool, min_modules: int = DEFAULT_MIN_REGION_MODULES,
+                   ) -> tuple[list[Any], list[Any], StageRuntime]:
     """A middle stage of 3 layers, compiled (with or without trace_layers_once), at every count."""
     cfg = REFERENCE_CONFIGS[name].replace(num_layers=9)
     stage = make_stage(cfg, 1, 3)
     if once:
-        assert ppcompile.trace_layers_once(stage) is stage
+        assert ppcompile.trace_layers_once(stage, min_region_modules=min_modules) is stage
     before = ppcompile.stage_runtimes()
     compiled = torch.compile(stage, backend="pp_breakable", options=OPTIONS)
     got, want = [], []
@@ -66,7 +68,7 @@ def _run_reference(name: str, once: bool) -> tuple[list[Any], list[Any], StageRu
 
 @pytest.mark.parametrize("name", ["small-dense", "small-moe"])
 def test_reference_stage_traced_once_equals_eager_with_the_flat_split(name: str) -> None:
-    got, want, once = _run_reference(name, once=True)
+    got, want, once = _run_reference(name, once=True, min_modules=1)  # its norms and MLP too
     for n, g, w in zip(COUNTS, got, want):
         assert_close(g, w, f"{name} at {n} tokens")
     _, _, flat = _run_reference(name, once=False)
@@ -82,7 +84,7 @@ def test_reference_stage_traced_once_equals_eager_with_the_flat_split(name: str)
 
 def test_the_plan_keeps_per_layer_constants_out_of_regions() -> None:
     cfg = REFERENCE_CONFIGS["small-dense"].replace(num_layers=6)
-    stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 2))
+    stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 2), min_region_modules=1)
     (plan,) = ppcompile.layer_region_plans(stage) or ()
     assert plan.layers == ("layers.3", "layers.4", "layers.5")
     assert {site.path for site in plan.regions} >= {"input_layernorm", "post_attention_layernorm", "mlp"}
@@ -109,6 +111,26 @@ def test_modules_repeated_inside_a_region_are_left_to_it(caplog: pytest.LogCaptu
     assert max(traces.values()) == 3, dict(traces)  # one call per layer: no expert went through a region
     if region_traces_reused():
         assert len(traces) == len(plans[0].regions), dict(traces)  # each site traced once, MoE included
+
+
+def test_modules_too_small_to_pay_for_a_region_are_traced_flat() -> None:
+    """A region call costs Dynamo about what tracing a few small modules does: the reference decoder's
+    norms (1 module with parameters) and MLP (2) stay flat, its MoE block (router and experts) is one."""
+    dense = make_stage(REFERENCE_CONFIGS["small-dense"].replace(num_layers=6), 1, 2)
+    ppcompile.trace_layers_once(dense)
+    (plan,) = ppcompile.layer_region_plans(dense) or ()
+    assert plan.regions == ()
+    flat = dict(plan.flat)
+    assert flat["input_layernorm"] == "too small to pay for a region (1 module(s) with parameters, " \
+        "min_region_modules=4)"
+    assert flat["mlp"].startswith("too small to pay for a region (2 module(s)")
+    assert "traced flat mlp: too small" in plan.describe()
+    assert "forward" not in vars(dense.layers[3].mlp)
+    moe = make_stage(REFERENCE_CONFIGS["small-moe"].replace(num_layers=6), 1, 2)
+    ppcompile.trace_layers_once(moe)
+    (plan,) = ppcompile.layer_region_plans(moe) or ()
+    assert [site.path for site in plan.regions] == ["mlp"]
+    assert "forward" in vars(moe.layers[3].mlp)
 
 
 class _Scale(nn.Module):
@@ -153,7 +175,7 @@ class _Stack(nn.Module):
 
 def test_aliasing_and_in_place_regions_trace_and_equal_eager() -> None:
     stack, untouched = _Stack(), _Stack()
-    ppcompile.trace_layers_once(stack)
+    ppcompile.trace_layers_once(stack, min_region_modules=1)
     x = torch.randn(3, 8)
     for g, w in zip(stack(x), untouched(x)):  # eagerly, the wrapped modules behave as before
         torch.testing.assert_close(g, w, atol=0, rtol=0)
@@ -197,6 +219,11 @@ def test_a_stage_without_repeated_layers_is_left_flat(caplog: pytest.LogCaptureF
 def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(TypeError, match=r"trace_layers_once: expected an nn\.Module, got function"):
         ppcompile.trace_layers_once(lambda x: x)  # type: ignore[arg-type]
+    for bad in (0, -1, 2.0, True):
+        stack = _Stack()
+        with pytest.raises(ValueError, match=f"min_region_modules must be an int >= 1, got {bad!r}"):
+            ppcompile.trace_layers_once(stack, min_region_modules=bad)  # type: ignore[arg-type]
+        assert ppcompile.layer_region_plans(stack) is None  # refused before anything changed
 
 
 class _DictLayer(nn.Module):
@@ -222,7 +249,7 @@ class _DictStack(nn.Module):
 
 
 def test_arguments_it_does_not_flatten_are_traced_flat_and_still_equal_eager() -> None:
-    stack = ppcompile.trace_layers_once(_DictStack())
+    stack = ppcompile.trace_layers_once(_DictStack(), min_region_modules=1)
     compiled = torch.compile(stack, backend="pp_breakable", options=OPTIONS)
     x = torch.randn(5, 4)
     with torch.inference_mode():
@@ -236,7 +263,7 @@ def test_hf_stages_traced_once_equal_eager(family: str) -> None:
     from ppcompile.models.hf import HFStage, tiny_causal_lm
 
     stage = HFStage(tiny_causal_lm(family, num_hidden_layers=4).eval(), 0, 1)
-    ppcompile.trace_layers_once(stage)
+    ppcompile.trace_layers_once(stage, min_region_modules=1)  # their norms and MLPs too
     (plan,) = ppcompile.layer_region_plans(stage) or ()
     assert plan.regions, plan.describe()
     before = ppcompile.stage_runtimes()
@@ -254,8 +281,20 @@ def test_hf_stages_traced_once_equal_eager(family: str) -> None:
         assert all(len(t) < sum(t.values()) for t in traces), traces
 
 
+def test_an_hf_llama_layer_holds_no_part_big_enough_for_a_region() -> None:
+    pytest.importorskip("transformers")
+    from ppcompile.models.hf import HFStage, tiny_causal_lm
+
+    stage = ppcompile.trace_layers_once(HFStage(tiny_causal_lm("llama", num_hidden_layers=4).eval(), 0, 1))
+    (plan,) = ppcompile.layer_region_plans(stage) or ()
+    assert plan.regions == ()
+    flat = dict(plan.flat)
+    assert "'self_attn.layer_idx' differs between layers" in flat[""]
+    assert flat["mlp"].startswith("too small to pay for a region (3 module(s)")
+
+
 def test_dynamic_true_traces_flat_instead_of_failing_inside_regions() -> None:
-    stack, untouched = ppcompile.trace_layers_once(_Stack()), _Stack()
+    stack, untouched = ppcompile.trace_layers_once(_Stack(), min_region_modules=1), _Stack()
     before = ppcompile.stage_runtimes()
     compiled = torch.compile(stack, backend="pp_breakable", dynamic=True, options=OPTIONS)
     for n in (3, 9):
