@@ -105,13 +105,15 @@ def stage_config(layers: int, hidden: int = 64) -> ModelConfig:
 
 
 # ------------------------------------------------------------------------------------------ part 1
-def child_compile(layers: int, compiler: str, max_tokens: int | None, capture: str = "all") -> dict[str, Any]:
+def child_compile(layers: int, compiler: str, max_tokens: int | None, capture: str = "all",
+                  experts: int = 0) -> dict[str, Any]:
     """In a fresh process: compile a ``layers``-layer stage, first call at 16 tokens; the breakdown.
-    ``capture``: the stage's capture policy (``"all"``: the first call captures the whole ladder)."""
+    ``capture``: the stage's capture policy (``"all"``: the first call captures the whole ladder);
+    ``experts``: MoE layers of that many experts (0: dense)."""
     from ppcompile.debug.capture import capture_records
 
     torch.set_num_threads(1)
-    cfg = stage_config(layers).replace(compile_regions=compiler.endswith(REGIONS))
+    cfg = stage_config(layers).replace(compile_regions=compiler.endswith(REGIONS), num_experts=experts)
     stage = make_stage(cfg, 1, PP)
     if compiler.endswith(ONCE):
         ppcompile.trace_layers_once(stage)
@@ -345,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--child", nargs=2, metavar=("LAYERS", "COMPILER"), help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=None, help="cap of the capture ladder")
     parser.add_argument("--capture", choices=("all", "lazy"), default="all", help=argparse.SUPPRESS)
+    parser.add_argument("--experts", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=2, help="cold processes per compile row (best)")
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
     parser.add_argument("--steady-layers", type=int, default=32)
@@ -361,7 +364,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child_compile(int(args.child[0]), args.child[1], args.max_tokens, args.capture)))
+        print(json.dumps(child_compile(int(args.child[0]), args.child[1], args.max_tokens, args.capture,
+                                       args.experts)))
         return
     if args.quick:
         args.layers, args.steady_layers, args.max_tokens = [2, 4], 4, 64

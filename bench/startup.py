@@ -48,12 +48,16 @@ COMPILERS = ("eager", "eager" + ONCE, "inductor", "inductor" + ONCE)
 RESTARTS = ("eager", "inductor")  # ppcompile.warm_compile: flat traces (aot_compile refuses a patched layer)
 TARGETS = {"eager" + ONCE: 1.5, "inductor" + ONCE: 1.3}  # cold, most layers vs fewest
 WARM_TARGET = 0.25  # warm first call / cold first call
+MOE_EXPERTS = 4  # the MoE rows: the same stage with MoE layers of this many experts, cold only
+MOE_COMPILERS = ("eager", "eager" + ONCE)
 
 
 def _child(layers: int, compiler: str, env: dict[str, str], max_tokens: int | None,
-           capture: str) -> dict[str, Any]:
+           capture: str, experts: int = 0) -> dict[str, Any]:
     extra = ["--max-tokens", str(max_tokens)] if max_tokens is not None else []
-    return run_child(["--child", str(layers), compiler, "--capture", capture, *extra], env)
+    row = run_child(["--child", str(layers), compiler, "--capture", capture, "--experts", str(experts),
+                     *extra], env)
+    return {**row, "experts": experts}
 
 
 def measure(layers: Sequence[int], repeats: int, max_tokens: int | None,
@@ -84,6 +88,11 @@ def measure(layers: Sequence[int], repeats: int, max_tokens: int | None,
                 rows += [{**store, "start": "store"}, {**restart, "start": "restart"}]
                 print(f"{n:3d} layers {compiler + WARM_START:16s} store {store['total']:6.2f} s  "
                       f"restart {restart['total']:6.2f} s", file=sys.stderr)
+            for compiler in MOE_COMPILERS:
+                cold = min((_child(n, compiler, cold_env, max_tokens, capture, MOE_EXPERTS)
+                            for _ in range(repeats)), key=lambda r: r["total"])
+                rows.append({**cold, "start": "cold"})
+                print(f"{n:3d} layers {compiler:16s} MoE cold {cold['total']:6.2f} s", file=sys.stderr)
     return rows
 
 
@@ -92,7 +101,8 @@ def _fmt(x: float | None) -> str:
 
 
 def render(results: dict[str, Any]) -> str:
-    rows = results["rows"]
+    rows = [r for r in results["rows"] if not r.get("experts")]
+    moe = [r for r in results["rows"] if r.get("experts")]
     ladder = "default capture ladder (74 buckets up to 8192)" if results["max_tokens"] is None else \
         f"capture ladder up to {results['max_tokens']}"
     capture = results.get("capture", "all")
@@ -118,9 +128,40 @@ def render(results: dict[str, Any]) -> str:
                                          "total"))] for r in rows]
     out.append(markdown_table(["layers", "segments", "start", "regions", "dynamo trace", "read back",
                                "passes", "segment compile", "capture", "first call"], table))
+    if moe:
+        out += ["", f"The same stage with MoE layers ({moe[0]['experts']} experts each; with `+ once` each "
+                "layer's MoE block is a region), cold:", ""]
+        table = [[r["layers"], r["compiler"], f"{r['region_calls']} / {r['region_traces']}",
+                  *(_fmt(r.get(k)) for k in ("dynamo_trace", "passes", "capture", "total"))] for r in moe]
+        out.append(markdown_table(["layers", "segments", "regions", "dynamo trace", "passes", "capture",
+                                   "first call"], table))
     out += ["", "### Against the targets", ""]
-    out += _targets(rows)
+    out += _targets(rows) + _moe_targets(moe)
     return "\n".join(out) + "\n"
+
+
+def _moe_targets(rows: list[dict[str, Any]]) -> list[str]:
+    """The cold ratios of the MoE stage, and what tracing once saves on it."""
+    if not rows:
+        return []
+    by = {(r["layers"], r["compiler"]): r for r in rows}
+    layers = sorted({r["layers"] for r in rows})
+    lines = []
+    for hi in layers[1:]:
+        for compiler in MOE_COMPILERS:
+            a, b = by[(layers[0], compiler)], by[(hi, compiler)]
+            ratio = b["total"] / a["total"]
+            target = TARGETS.get(compiler)
+            verdict = "" if target is None else \
+                f" (target <= {target}x: {'met' if ratio <= target else 'not met'})"
+            lines.append(f"- cold, MoE stage, {compiler} segments, {hi} vs {layers[0]} layers: "
+                         f"{ratio:.2f}x{verdict}.")
+    for n in layers:
+        flat, once = by[(n, MOE_COMPILERS[0])], by[(n, MOE_COMPILERS[1])]
+        lines.append(f"- MoE stage, {n} layers, traced once vs flat: Dynamo trace "
+                     f"{once['dynamo_trace'] / flat['dynamo_trace']:.2f}x, first call "
+                     f"{once['total'] / flat['total']:.2f}x.")
+    return lines
 
 
 def _targets(rows: list[dict[str, Any]]) -> list[str]:

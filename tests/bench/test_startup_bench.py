@@ -34,8 +34,11 @@ def test_the_report_says_which_targets_are_met() -> None:
             rows += [_row(layers, compiler + WARM_START, "store", total * 1.1),
                      {**_row(layers, compiler + WARM_START, "restart", total * restart), "dynamo_trace": None,
                       "read_back": 0.05}]
+    moe = [{**_row(n, c, "cold", t), "experts": 4, "region_calls": n if c.endswith("once") else 0}
+           for n, c, t in ((4, "eager", 2.0), (4, "eager + once", 1.8), (32, "eager", 8.0),
+                           (32, "eager + once", 2.6))]
     text = render({"info": machine_info("cpu", threads=1), "max_tokens": 64, "repeats": 1, "capture": "lazy",
-                   "rows": rows})
+                   "rows": rows + moe})
     assert text.startswith("## Startup\n")
     assert "capture ladder up to 64, `capture=\"lazy\"` (the first call captures its own bucket" in text
     whole = render({"info": machine_info("cpu", threads=1), "max_tokens": 64, "repeats": 1, "capture": "all",
@@ -51,3 +54,8 @@ def test_the_report_says_which_targets_are_met() -> None:
     assert "| 32 | eager + warm start | restart | 0 / 0 | n/a | 0.05 s |" in text
     assert ("- where a restart spends its first call, eager segments, 32 layers: read back 0.05 s, "
             "passes 0.01 s, segment compile 0.00 s, capture 0.15 s, the rest" in text)
+    assert "The same stage with MoE layers (4 experts each" in text
+    assert "| 32 | eager + once | 32 / 0 | 1.30 s |" in text  # the MoE table, not the dense one
+    assert "- cold, MoE stage, eager + once segments, 32 vs 4 layers: 1.44x (target <= 1.5x: met)." in text
+    assert "- cold, MoE stage, eager segments, 32 vs 4 layers: 4.00x." in text
+    assert "- MoE stage, 32 layers, traced once vs flat: Dynamo trace 0.33x, first call 0.33x." in text
