@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
+from pathlib import Path
 
-__all__ = ["cache_dir", "dump_dir", "log_level", "progress"]
+__all__ = ["cache_dir", "dump_dir", "log_level", "progress", "untrusted_reason"]
 
 
 def cache_dir() -> str:
@@ -17,6 +19,22 @@ def cache_dir() -> str:
         return value
     user = os.getuid() if hasattr(os, "getuid") else "user"
     return os.path.join(tempfile.gettempdir(), f"ppcompile-{user}")
+
+
+def untrusted_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why ppcompile must not run or unpickle ``path``, a file or folder under :func:`cache_dir`, or None:
+    it or its parent folder belongs to another user, or another user may write it (the default cache
+    dir is under the shared temp dir). Where the platform has no user ids, None."""
+    if not hasattr(os, "getuid"):
+        return None
+    uid = os.getuid()
+    for p in (Path(path), Path(path).parent):
+        st = p.stat()
+        if st.st_uid != uid:
+            return f"{p} belongs to uid {st.st_uid}, not to this process's user ({uid})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"{p} may be written by other users (mode {stat.filemode(st.st_mode)})"
+    return None
 
 
 def dump_dir() -> str | None:

@@ -23,7 +23,6 @@ import os
 import pickle
 import platform
 import shutil
-import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -43,7 +42,6 @@ __all__ = [
     "read_entries",
     "stage_key",
     "stale_modules",
-    "untrusted_reason",
     "warm_cache_dir",
     "write_entries",
 ]
@@ -121,26 +119,11 @@ def stale_modules(digests: Mapping[str, str | None]) -> list[str]:
     return [m for m, d in digests.items() if _module_digest(m) != d]
 
 
-def untrusted_reason(path: Path) -> str | None:
-    """Why ``path`` (a stored file) must not be unpickled, or None: it or its directory belongs to another
-    user, or another user may write it. Where the platform has no user ids, None."""
-    if not hasattr(os, "getuid"):
-        return None
-    uid = os.getuid()
-    for p in (path, path.parent):
-        st = p.stat()
-        if st.st_uid != uid:
-            return f"{p} belongs to uid {st.st_uid}, not to this process's user ({uid})"
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return f"{p} may be written by other users (mode {stat.filemode(st.st_mode)})"
-    return None
-
-
 def read_entries(key: str) -> list[tuple[bytes, dict[str, str | None]]]:
     """The artifacts stored under ``key`` whose traced modules are unchanged, each with its digests."""
     path = artifact_path(key)
     try:
-        why = untrusted_reason(path)
+        why = envs.untrusted_reason(path)
         if why is not None:
             log.warning("warm restart: %s is not loaded, since %s; compiling afresh (make the directory "
                         "private to this user, `chmod -R go-w`, or clear it with "

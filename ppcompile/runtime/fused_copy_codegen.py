@@ -63,13 +63,18 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ppcompile.envs import untrusted_reason
+
 __all__ = ["Axis", "TensorPlan", "host_source", "kernel_source", "load_kernel", "plan_tensor"]
+
+log = logging.getLogger(__name__)
 
 KERNEL_NAME = "ppcompile_row_copy"
 INT32_LIMIT = 2**31 - 1
@@ -348,11 +353,9 @@ def load_kernel(source: str, cache_dir: str, interpret: bool) -> Any:
     if bool(knobs is not None and knobs.runtime.interpret) != interpret:
         raise RuntimeError(f"row copier: made {'with' if interpret else 'without'} Triton's interpreter, but "
                            "TRITON_INTERPRET changed before its kernel was built; keep it as it was")
-    folder = os.path.join(cache_dir, "fused_copy")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{KERNEL_NAME}_{digest}.py")
-    if not os.path.exists(path):
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    path = os.path.join(_kernel_folder(cache_dir), f"{KERNEL_NAME}_{digest}.py")
+    if _read(path) != source:  # absent, or not what this source writes: never run a file as found
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(source)
         os.replace(tmp, path)  # atomic: another process may write the same file
@@ -362,3 +365,30 @@ def load_kernel(source: str, cache_dir: str, interpret: bool) -> Any:
     spec.loader.exec_module(module)
     kernel = _KERNELS[key] = getattr(module, KERNEL_NAME)
     return kernel
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+_PRIVATE: dict[str, str] = {}  # cache dir -> the private folder used instead of its untrusted one
+
+
+def _kernel_folder(cache_dir: str) -> str:
+    """``<cache_dir>/fused_copy`` (made private to this user), or, when another user owns it or may write
+    it, a private folder of this process's (with a warning): a kernel file is imported, so it runs."""
+    if cache_dir in _PRIVATE:
+        return _PRIVATE[cache_dir]
+    folder = os.path.join(cache_dir, "fused_copy")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    why = untrusted_reason(folder)
+    if why is None:
+        return folder
+    private = _PRIVATE[cache_dir] = tempfile.mkdtemp(prefix="ppcompile-fused-copy-")
+    log.warning("row copier: %s, so its kernels are written to %s instead (make %s private to this user, "
+                "`chmod -R go-w`)", why, private, folder)
+    return private

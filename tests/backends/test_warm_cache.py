@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ppcompile import envs
 from ppcompile.backends import warm_cache
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="user ids are POSIX")
@@ -34,7 +35,7 @@ def test_the_store_is_made_private_and_its_files_read_back() -> None:
     path = _written()
     assert stat.S_IMODE(path.parent.stat().st_mode) & 0o077 == 0
     assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
-    assert warm_cache.untrusted_reason(path) is None
+    assert envs.untrusted_reason(path) is None
     assert warm_cache.read_entries(KEY) == ENTRIES
 
 

@@ -9,6 +9,7 @@ the compiled kernel through its direct launcher and count launches with ``torch.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -444,3 +445,32 @@ def test_a_copier_that_fails_its_first_call_falls_back_to_torch_ops(caplog: pyte
     assert torch.equal(buf[:3], src) and not buf[3:].any()
     working = make_row_copier([buf], [0], kernel="torch")
     assert working_or_torch(working) is working
+
+
+# ----------------------------------------------------------------------------------- the kernel files
+def _unique_source(tag: int) -> str:
+    """A kernel source no other test loads (the loaded kernels are kept process-wide, by source)."""
+    width = 97 + tag  # baked into the source (the token dim's size is not)
+    return codegen.kernel_source([codegen.plan_tensor(0, (5, width), (width, 1), 0, 4, (width, 1), False)])
+
+
+def test_a_kernel_file_found_with_other_code_is_rewritten_not_run(interpret: None, tmp_path: Any) -> None:
+    source = _unique_source(0)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+    planted = tmp_path / "fused_copy" / f"{codegen.KERNEL_NAME}_{digest}.py"  # where it would be written
+    planted.parent.mkdir(mode=0o700)
+    planted.write_text("raise RuntimeError('a planted file ran')\n")
+    assert callable(codegen.load_kernel(source, str(tmp_path), interpret=True))
+    assert planted.read_text() == source
+
+
+def test_a_kernel_folder_others_may_write_is_not_used(interpret: None, tmp_path: Any,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "shared" / "fused_copy"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    with caplog.at_level("WARNING", logger=codegen.__name__):
+        kernel = codegen.load_kernel(_unique_source(2), str(tmp_path / "shared"), interpret=True)
+    assert callable(kernel)
+    assert list(folder.iterdir()) == []  # nothing written or run there
+    assert f"{folder} may be written by other users" in caplog.text
