@@ -33,6 +33,7 @@ import torch
 
 from ppcompile import envs
 from ppcompile.config import PPBreakableConfig
+from ppcompile.debug.dumps import distributed_rank
 
 __all__ = [
     "FORMAT",
@@ -79,13 +80,6 @@ def _package_digest() -> str:
     return digest.hexdigest()
 
 
-def _global_rank() -> int | None:
-    """This process's rank in the job, or None outside one: ranks of a TP or PP group may hold stages
-    alike in class and shapes whose compiles differ (their groups, rank-specific code)."""
-    distributed = torch.distributed
-    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else None
-
-
 def stage_key(stage: torch.nn.Module, options: Mapping[str, Any] | None, name: str | None) -> str:
     """The cache key of ``stage`` compiled with ``options``."""
     config = PPBreakableConfig.from_options(options).as_dict()
@@ -93,7 +87,8 @@ def stage_key(stage: torch.nn.Module, options: Mapping[str, Any] | None, name: s
                                                             *stage.named_buffers())]
     parts = {
         "format": FORMAT, "torch": torch.__version__, "python": sys.version, "machine": platform.machine(),
-        "ppcompile": _package_digest(), "options": config, "name": name, "rank": _global_rank(),
+        # ranks of a TP or PP group may hold stages alike in class and shapes whose compiles differ
+        "ppcompile": _package_digest(), "options": config, "name": name, "rank": distributed_rank(),
         "class": f"{type(stage).__module__}.{type(stage).__qualname__}", "state": state,
     }
     text = json.dumps(parts, sort_keys=True, default=repr)
