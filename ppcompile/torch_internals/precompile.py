@@ -78,10 +78,11 @@ def compile_recording(compile: Callable[[], _T]) -> tuple[_T, tuple[bytes, str] 
         recorded = {kind: list(artifacts) for kind, artifacts in _new_artifacts(manager).items()}
         saved = torch.compiler.save_cache_artifacts()
     seen = attr(manager, "_seen_artifacts", "CacheArtifactManager", _WHY)
+    callers = _new_artifacts(manager)
     for kind, artifacts in recorded.items():  # what record_artifact does, for artifacts already encoded
         for artifact in artifacts:
             if artifact not in seen:
-                _new_artifacts(manager)[kind].append(artifact)
+                callers[kind].append(artifact)
                 seen.add(artifact)
     if saved is None:
         return result, None
