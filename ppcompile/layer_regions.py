@@ -148,8 +148,7 @@ def trace_layers_once(stage: nn.Module, *, min_region_modules: int = DEFAULT_MIN
     regions: list[str] = []  # the wrapped modules' names
     inside: dict[str, int] = {}  # region class -> groups inside its regions, left to them
     for names, modules in _layer_groups(stage):
-        outer = next((r for r in regions if names[0].startswith(r + ".")), None)
-        if outer is not None:
+        if any(names[0].startswith(r + ".") for r in regions):
             inside[type(modules[0]).__name__] = inside.get(type(modules[0]).__name__, 0) + 1
             continue
         plan = _plan_group(names, modules, min_region_modules)
