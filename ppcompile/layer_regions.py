@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ppcompile.region_ops import region_copy, region_write_back
 from ppcompile.torch_internals import every_dim_dynamic, nested_compile_region
 
 __all__ = ["DEFAULT_MIN_REGION_MODULES", "LayerRegionPlan", "RegionSite", "layer_region_plans", "region_copy",
@@ -69,30 +70,6 @@ _MODULE_INTERNALS = frozenset({
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 DEFAULT_MIN_REGION_MODULES = 4
 _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerRegionPlan, ...]] = weakref.WeakKeyDictionary()
-
-
-@torch.library.custom_op("ppcompile::region_copy", mutates_args=())
-def region_copy(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x``: what a traced-once region takes and returns, so that no region input or output
-    aliases another. ``inline_nested_regions`` replaces each call by ``x`` itself."""
-    return x.clone()
-
-
-@region_copy.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("ppcompile::region_write_back", mutates_args=("dst",))
-def region_write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copies a region's copy of an input back into the input, in case the region wrote it in place.
-    ``inline_nested_regions`` drops it (the inlined region writes the input itself)."""
-    dst.copy_(src)
-
-
-@region_write_back.register_fake
-def _(dst: torch.Tensor, src: torch.Tensor) -> None:
-    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from ppcompile.layer_regions import region_copy, region_write_back
+from ppcompile.analysis.module_stacks import innermost_module, restacked
 from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.region_ops import region_copy, region_write_back
 
 __all__ = ["inline_nested_regions"]
 
@@ -79,35 +80,6 @@ def _lift_attr(gm: torch.fx.GraphModule, value: Any, lifted: dict[int, str]) -> 
     return name
 
 
-def _innermost(stack: dict[str, Any] | None) -> str | None:
-    entries = list((stack or {}).values())
-    entry = entries[-1] if entries else None
-    return str(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
-
-
-def _innermost_path(node: torch.fx.Node) -> str | None:
-    return _innermost(node.meta.get("nn_module_stack"))
-
-
-def _restacked(
-    meta: dict[str, Any], traced_at: str | None, call_stack: dict[str, Any] | None
-) -> dict[str, Any]:
-    """``meta`` with its module stack re-rooted at this call: the call's own stack (``call_stack``,
-    ending at the module called), then the entries below ``traced_at`` (the module of the call the
-    subgraph was traced for), moved under this call's module. The entries from the traced call's stack
-    above the region (its layer, say) are that call's, not this one's, and are dropped."""
-    stack = meta.get("nn_module_stack")
-    called_at = _innermost(call_stack)
-    if not stack or traced_at is None or called_at is None or traced_at == called_at:
-        return meta
-    moved = dict(call_stack or {})
-    for key, entry in stack.items():
-        path = str(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
-        if path is not None and path.startswith(traced_at) and path != traced_at:
-            moved[key] = (called_at + path[len(traced_at):], entry[1])
-    return {**meta, "nn_module_stack": moved}
-
-
 def _inline_call(
     gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphModule, lifted: dict[int, str],
     traced_at: str | None,
@@ -136,14 +108,14 @@ def _inline_call(
                 for part in str(sn.target).split("."):
                     value = getattr(value, part)
                 copied = graph.get_attr(_lift_attr(gm, value, lifted))
-                copied.meta = _restacked(dict(sn.meta), traced_at, call_stack)
+                copied.meta = restacked(dict(sn.meta), traced_at, call_stack)
                 env[sn] = copied
                 continue
             if sn.op == "call_function" and sn.target is _REGION_COPY:  # a copy for Dynamo only
                 env[sn] = env[sn.args[0]]
                 continue
             env[sn] = graph.node_copy(sn, lambda n: env[n])
-            env[sn].meta = _restacked(dict(sn.meta), traced_at, call_stack)
+            env[sn].meta = restacked(dict(sn.meta), traced_at, call_stack)
     outs = [env[r] if isinstance(r, torch.fx.Node) else r for r in results]
     for user in list(node.users):
         if user.op != "call_function" or user.target is not operator.getitem:
@@ -168,7 +140,7 @@ def inline_nested_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
             break
         for node in pending:
             sub = _subgraph_of(gm, node)
-            origin = traced_at.setdefault(id(sub), _innermost_path(node))
+            origin = traced_at.setdefault(id(sub), innermost_module(node))
             _inline_call(gm, node, sub, lifted, origin)
             name = str(node.args[1])
             calls[name] = calls.get(name, 0) + 1

@@ -1,0 +1,44 @@
+"""Module stacks of traced nodes (Dynamo's ``meta["nn_module_stack"]``): the module a node was traced
+in, and a copied node's stack moved from the call it was traced for to the call it now stands for.
+
+Passes that copy traced ops for another call (``inline_nested_regions``, ``expand_stamped_layers``)
+restack the copies, so passes that name modules by path (``find_declared_regions``) tell the calls apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["innermost_module", "restacked"]
+
+
+def _innermost(stack: dict[str, Any] | None) -> str | None:
+    entries = list((stack or {}).values())
+    entry = entries[-1] if entries else None
+    return str(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
+
+
+def innermost_module(node: torch.fx.Node) -> str | None:
+    """The path of the module ``node`` was traced in (``L['self'].layers.4.mlp``), or None."""
+    return _innermost(node.meta.get("nn_module_stack"))
+
+
+def restacked(
+    meta: dict[str, Any], traced_at: str | None, call_stack: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``meta`` with its module stack re-rooted at this call: the call's own stack (``call_stack``,
+    ending at the module called), then the entries below ``traced_at`` (the module of the call the
+    ops were traced for), moved under this call's module. The entries from the traced call's stack
+    above it (its layer, say) are that call's, not this one's, and are dropped."""
+    stack = meta.get("nn_module_stack")
+    called_at = _innermost(call_stack)
+    if not stack or traced_at is None or called_at is None or traced_at == called_at:
+        return meta
+    moved = dict(call_stack or {})
+    for key, entry in stack.items():
+        path = str(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
+        if path is not None and path.startswith(traced_at + "."):
+            moved[key] = (called_at + path[len(traced_at):], entry[1])
+    return {**meta, "nn_module_stack": moved}
