@@ -58,6 +58,7 @@ CFG = ModelConfig()  # hidden 64, MLP 128, 4/2 heads x 16: narrow, so small forw
 PP = 3  # a middle stage: proxies in and out
 REGIONS = " + regions"  # the stage's layers marked as nested compile regions by hand (traced once)
 ONCE = " + once"  # ppcompile.trace_layers_once on the unchanged stage
+STAMPED = " + stamped"  # ppcompile.trace_layers_once(stage, stamp=True): layers stamped from the first
 WARM_START = " + warm start"  # ppcompile.warm_compile instead of torch.compile (its cache dir: the env's)
 COMPILERS = ("eager", "inductor", "inductor" + REGIONS)
 NO_DEDUP = " (no dedup)"  # the Inductor row with sharing off: what compiling every segment costs
@@ -117,10 +118,12 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None, capture: s
     stage = make_stage(cfg, 1, PP)
     if compiler.endswith(ONCE):
         ppcompile.trace_layers_once(stage)
+    if compiler.endswith(STAMPED):
+        ppcompile.trace_layers_once(stage, stamp=True)
     # Capture is the graph path's: its CPU emulation here ("auto" would serve at the live size, no capture).
     warm_start = compiler.endswith(WARM_START)
     segment_compiler = compiler.removesuffix(WARM_START).removesuffix(NO_DEDUP).removesuffix(REGIONS) \
-        .removesuffix(ONCE)
+        .removesuffix(ONCE).removesuffix(STAMPED)
     options: dict[str, Any] = {"segment_compiler": segment_compiler, "graph_mode": "emulate",
                                "capture": capture}
     if compiler.endswith(NO_DEDUP):
@@ -153,6 +156,7 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None, capture: s
         "capture_buckets": sum(len(c.buckets) for c in captures),
         "region_calls": sum(runtime.compiled.record.region_traces.values()),
         "region_traces": len(runtime.compiled.record.region_traces),
+        "stamped_layers": runtime.compiled.record.stamped_layers,
         "graph_segments": sum(st.segment.is_graph for st in runtime.program.steps),
         "buckets": len(runtime.plan.sizes),
         "unique_compiles": sum(not r.reused for r in records), **warm,

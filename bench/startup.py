@@ -38,18 +38,19 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.compile_time import NO_DISK_CACHES, ONCE, WARM_START, run_child
+from bench.compile_time import NO_DISK_CACHES, ONCE, STAMPED, WARM_START, run_child
 from bench.report import describe_machine, machine_info, markdown_table, save_json, update_markdown_section
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "bench" / "results" / "cpu" / "startup.json"
-COMPILERS = ("eager", "eager" + ONCE, "inductor", "inductor" + ONCE)
+COMPILERS = ("eager", "eager" + ONCE, "eager" + STAMPED, "inductor", "inductor" + ONCE, "inductor" + STAMPED)
 RESTARTS = ("eager", "inductor")  # ppcompile.warm_compile: flat traces (aot_compile refuses a patched layer)
-TARGETS = {"eager" + ONCE: 1.5, "inductor" + ONCE: 1.3}  # cold, most layers vs fewest
+# cold, most layers vs fewest
+TARGETS = {"eager" + ONCE: 1.5, "inductor" + ONCE: 1.3, "eager" + STAMPED: 1.5, "inductor" + STAMPED: 1.3}
 WARM_TARGET = 0.25  # warm first call / cold first call
 MOE_EXPERTS = 4  # the MoE rows: the same stage with MoE layers of this many experts, cold only
-MOE_COMPILERS = ("eager", "eager" + ONCE)
+MOE_COMPILERS = ("eager", "eager" + ONCE, "eager" + STAMPED)
 
 
 def _child(layers: int, compiler: str, env: dict[str, str], max_tokens: int | None,
@@ -114,7 +115,9 @@ def render(results: dict[str, Any]) -> str:
            f"Middle stage of the reference decoder, hidden 64, {ladder}, {policy}, first call at 16 "
            "tokens, one "
            "fresh process per row. `+ once`: `ppcompile.trace_layers_once(stage)` before `torch.compile` "
-           "(the model's code unchanged). Cold: Inductor's on-disk caches off (best of "
+           "(the model's code unchanged); `+ stamped`: `ppcompile.trace_layers_once(stage, stamp=True)` "
+           "(Dynamo traces the first layer; each other one is one op, checked and expanded by the backend). "
+           "Cold: Inductor's on-disk caches off (best of "
            f"{results['repeats']}); warm: caches on, after one process of the same stage filled them. "
            "`+ warm start`: `ppcompile.warm_compile(stage, options)` instead of `torch.compile`, in a "
            "cache directory of its own (ppcompile's and Inductor's); store: its first process, which "
@@ -123,18 +126,20 @@ def render(results: dict[str, Any]) -> str:
            "compiles run. With Inductor segments a store row also "
            "pays Inductor's one-time CPU-ISA probe (its cache directory starts empty). Regions: calls "
            "through nested compile regions / distinct traces of them.", ""]
+    main_keys = ("dynamo_trace", "read_back", "passes", "segment_compile", "capture", "total")
     table = [[r["layers"], r["compiler"], r["start"], f"{r['region_calls']} / {r['region_traces']}",
-              *(_fmt(r.get(k)) for k in ("dynamo_trace", "read_back", "passes", "segment_compile", "capture",
-                                         "total"))] for r in rows]
-    out.append(markdown_table(["layers", "segments", "start", "regions", "dynamo trace", "read back",
-                               "passes", "segment compile", "capture", "first call"], table))
+              r.get("stamped_layers", 0), *(_fmt(r.get(k)) for k in main_keys)] for r in rows]
+    out.append(markdown_table(["layers", "segments", "start", "regions", "stamped", "dynamo trace",
+                               "read back", "passes", "segment compile", "capture", "first call"], table))
     if moe:
         out += ["", f"The same stage with MoE layers ({moe[0]['experts']} experts each; with `+ once` each "
-                "layer's MoE block is a region), cold:", ""]
+                "layer's MoE block is a region; with `+ stamped` each layer after the first is stamped), "
+                "cold:", ""]
+        moe_keys = ("dynamo_trace", "passes", "capture", "total")
         table = [[r["layers"], r["compiler"], f"{r['region_calls']} / {r['region_traces']}",
-                  *(_fmt(r.get(k)) for k in ("dynamo_trace", "passes", "capture", "total"))] for r in moe]
-        out.append(markdown_table(["layers", "segments", "regions", "dynamo trace", "passes", "capture",
-                                   "first call"], table))
+                  r.get("stamped_layers", 0), *(_fmt(r.get(k)) for k in moe_keys)] for r in moe]
+        out.append(markdown_table(["layers", "segments", "regions", "stamped", "dynamo trace", "passes",
+                                   "capture", "first call"], table))
     out += ["", "### Against the targets", ""]
     out += _targets(rows) + _moe_targets(moe)
     return "\n".join(out) + "\n"
@@ -157,10 +162,12 @@ def _moe_targets(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"- cold, MoE stage, {compiler} segments, {hi} vs {layers[0]} layers: "
                          f"{ratio:.2f}x{verdict}.")
     for n in layers:
-        flat, once = by[(n, MOE_COMPILERS[0])], by[(n, MOE_COMPILERS[1])]
-        lines.append(f"- MoE stage, {n} layers, traced once vs flat: Dynamo trace "
-                     f"{once['dynamo_trace'] / flat['dynamo_trace']:.2f}x, first call "
-                     f"{once['total'] / flat['total']:.2f}x.")
+        flat = by[(n, MOE_COMPILERS[0])]
+        for compiler in MOE_COMPILERS[1:]:
+            other = by[(n, compiler)]
+            lines.append(f"- MoE stage, {n} layers, {compiler} vs flat: Dynamo trace "
+                         f"{other['dynamo_trace'] / flat['dynamo_trace']:.2f}x, first call "
+                         f"{other['total'] / flat['total']:.2f}x.")
     return lines
 
 

@@ -33,6 +33,9 @@ What decides where the regions go (the traps a region must avoid):
   its one trace covers them. Wrapped too, each layer's inner modules would route through a wrapper of
   their own, whose closure torch guards: the outer region would be traced again for every layer.
 
+``trace_layers_once(stage, stamp=True)`` makes no regions: each group's layers are stamped out from the
+first one traced (``ppcompile.layer_stamps``), which per-layer constants passed to custom ops do not stop.
+
 Under ``torch.compile(dynamic=True)`` the wrapped modules trace flat: torch 2.13's Dynamo fails inside
 regions when every dim is dynamic. Arguments that differ per call (a constant passed to ``forward``)
 make torch trace the region again for that call, which is correct and only slower; the compile record
@@ -52,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ppcompile.layer_stamps import install_stamps
 from ppcompile.region_ops import region_copy, region_write_back
 from ppcompile.torch_internals import every_dim_dynamic, nested_compile_region
 
@@ -91,22 +95,30 @@ class LayerRegionPlan:
     layer_class: str
     regions: tuple[RegionSite, ...]
     flat: tuple[tuple[str, str], ...]
+    stamped: bool = False  # every layer checked against the first one called and traced as one op
 
     def describe(self) -> str:
         where = f"{len(self.layers)} x {self.layer_class} ({self.layers[0]} .. {self.layers[-1]})"
         lines = [f"trace_layers_once: {where}"]
+        if self.stamped:
+            lines.append("  stamped: the first layer called is traced, each other one checked against it "
+                         "and traced as one op (a layer that fails its check is traced flat and logged)")
         lines += [f"  region {site.path or '(whole layer)'}: {site.module_class} x {site.modules}"
                   for site in self.regions]
         lines += [f"  traced flat {path or '(whole layer)'}: {why}" for path, why in self.flat]
         return "\n".join(lines)
 
 
-def trace_layers_once(stage: nn.Module, *, min_region_modules: int = DEFAULT_MIN_REGION_MODULES) -> nn.Module:
+def trace_layers_once(
+    stage: nn.Module, *, min_region_modules: int = DEFAULT_MIN_REGION_MODULES, stamp: bool = False
+) -> nn.Module:
     """Makes Dynamo trace each distinct repeated layer of ``stage`` once (see the module docstring).
 
     Apply before ``torch.compile``; changes ``stage`` in place (instance ``forward`` attributes only) and
     returns it. A second call does nothing. Logs the plan at INFO; :func:`layer_region_plans` returns it.
     ``min_region_modules``: the fewest modules with parameters of their own a region's subtree holds.
+    ``stamp``: stamp whole layers out instead of making regions (``ppcompile.layer_stamps``); per-layer
+    constants passed to custom ops (global layer ids) do not stop it.
     """
     if not isinstance(stage, nn.Module):
         raise TypeError(f"trace_layers_once: expected an nn.Module, got {type(stage).__name__}")
@@ -114,9 +126,11 @@ def trace_layers_once(stage: nn.Module, *, min_region_modules: int = DEFAULT_MIN
             or min_region_modules < 1:
         raise ValueError(f"trace_layers_once: min_region_modules must be an int >= 1, got "
                          f"{min_region_modules!r}")
+    if not isinstance(stamp, bool):
+        raise TypeError(f"trace_layers_once: stamp must be True or False, got {stamp!r}")
     if stage in _PLANS:
         return stage
-    if getattr(torch.compiler, "nested_compile_region", None) is None:
+    if not stamp and getattr(torch.compiler, "nested_compile_region", None) is None:
         log.warning("trace_layers_once: this torch has no torch.compiler.nested_compile_region; "
                     "the stage is traced flat")
         _PLANS[stage] = ()
@@ -128,10 +142,19 @@ def trace_layers_once(stage: nn.Module, *, min_region_modules: int = DEFAULT_MIN
         if any(names[0].startswith(r + ".") for r in regions):
             inside[type(modules[0]).__name__] = inside.get(type(modules[0]).__name__, 0) + 1
             continue
-        plan = _plan_group(names, modules, min_region_modules)
+        patched = next((n for n, m in zip(names, modules) if "forward" in vars(m)), None) if stamp else None
+        if patched is not None:  # stamping calls the class's forward: it would bypass this one
+            plan = LayerRegionPlan(tuple(names), _class_name(type(modules[0])), (), (
+                ("", f"{patched} has a forward of its own (an instance attribute) that stamping would "
+                     "bypass"),))
+        elif stamp:
+            install_stamps(names, modules)
+            plan = LayerRegionPlan(tuple(names), _class_name(type(modules[0])), (), (), stamped=True)
+        else:
+            plan = _plan_group(names, modules, min_region_modules)
         plans.append(plan)
-        regions += [f"{layer}.{site.path}" if site.path else layer
-                    for site in plan.regions for layer in plan.layers]
+        regions += list(plan.layers) if plan.stamped else [
+            f"{layer}.{site.path}" if site.path else layer for site in plan.regions for layer in plan.layers]
         log.info("%s", plan.describe())
     for cls, count in inside.items():
         log.info("trace_layers_once: %d group(s) of repeated %s modules lie inside regions; each region's "

@@ -9,6 +9,9 @@ there. A node without a fact gets None from ``get`` and a ``KeyError`` naming th
 ======================  ====================================  =====================  ======================
 meta key (accessor)     what it says                          written by             read by
 ======================  ====================================  =====================  ======================
+``pp_bound_weight``     a stamped layer's weight (a graph      expand_stamped_layers  find_token_dims
+(``BOUND_WEIGHT``)      input the runtime binds), by its
+                        name in the stage
 ``pp_token_dims``       a tensor's token dims and their       find_token_dims        check_padding_safety,
 (``TOKEN_DIMS``)        sizes, ``((dim, size_expr), ...)``;                          token_locality,
                         ``()`` on a tensor without one (a                            prefix_causal,
@@ -59,6 +62,7 @@ import torch
 from ppcompile.records import Collective, Segment, StaticBuffer
 
 __all__ = [
+    "BOUND_WEIGHT",
     "CAPTURE_UNSAFE",
     "COLLECTIVE",
     "EAGER_REGION",
@@ -116,6 +120,7 @@ class NodeFact(Generic[T]):
         node.meta[self.key] = value
 
 
+BOUND_WEIGHT: NodeFact[str] = NodeFact("pp_bound_weight", "expand_stamped_layers")
 TOKEN_DIMS: NodeFact[TokenDims] = NodeFact("pp_token_dims", "find_token_dims")
 SIZE_EXPR: NodeFact[sympy.Expr] = NodeFact("pp_size_expr", "find_token_dims")
 LAYER_ID: NodeFact[int] = NodeFact("pp_layer_id", "align_global_layers")
@@ -130,6 +135,7 @@ WRITTEN_ARGS: NodeFact[tuple[int, ...]] = NodeFact("pp_written_args", "lift_stat
 
 # Every fact, in the order the passes first write them.
 FACTS: tuple[NodeFact[Any], ...] = (
+    BOUND_WEIGHT,
     TOKEN_DIMS, SIZE_EXPR, LAYER_ID, TOKEN_LOCAL, EAGER_REGION, COLLECTIVE, PADDING_UNSAFE,
     CAPTURE_UNSAFE, SEGMENT, STATIC_BUFFER, WRITTEN_ARGS,
 )

@@ -183,4 +183,5 @@ def pp_breakable(
 ) -> StageRuntime:
     """Compiles one Dynamo graph of a PP stage into a ``StageRuntime``."""
     config = PPBreakableConfig.from_options(options)
-    return serve_stage(compile_stage(gm, example_inputs, config), config, example_inputs)
+    stage = compile_stage(gm, example_inputs, config)
+    return serve_stage(stage, config, [*example_inputs, *stage.bound_inputs])

@@ -156,6 +156,7 @@ def lower_stage(
         eager_reason=policy or (never_graphs_reason(plan) if never_graphs else None),
         never_graphs=never_graphs,
         collectives=ctx.collectives,
+        bound_inputs=tuple(ctx.bound_inputs),
         record=CompileRecord(
             split_module=split,
             pass_times=types.MappingProxyType(dict(ctx.pass_times)),
@@ -165,5 +166,7 @@ def lower_stage(
             frame_compile=frame_compile,
             recompile_limit=recompile_limit,
             region_traces=types.MappingProxyType(dict(ctx.region_traces)),
+            stamped_layers=ctx.stamped_layers,
+            traced_flat=types.MappingProxyType(dict(ctx.traced_flat)),
         ),
     )

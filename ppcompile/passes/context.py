@@ -35,9 +35,11 @@ class StaticInputPlan:
 class PassContext:
     """Facts established by the passes, in the order they run.
 
-    ``inline_nested_regions`` fills ``region_traces``; ``find_token_dims`` fills ``token_symbol``,
-    ``input_kinds``, ``token_input`` and ``token_guards``; ``find_declared_regions`` fills
-    ``token_local_regions``; ``find_collectives`` fills ``collectives``;
+    ``inline_nested_regions`` fills ``region_traces``; ``expand_stamped_layers`` fills ``stamped_layers``,
+    ``traced_flat`` and ``bound_inputs`` (stamped layers' weights: graph inputs the runtime appends to each
+    call's);
+    ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input`` and ``token_guards``;
+    ``find_declared_regions`` fills ``token_local_regions``; ``find_collectives`` fills ``collectives``;
     ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``lift_static_inputs`` fills
     ``static_inputs``. Facts about single nodes (token dims, break verdicts, segments, static buffers and
     bridges) live on the nodes: ``analysis.node_facts`` (``segments(split)`` lists the segments).
@@ -60,6 +62,9 @@ class PassContext:
     ineligible_reason: str | None = None
     static_inputs: list[StaticInputPlan] = dataclasses.field(default_factory=list)
     region_traces: dict[str, int] = dataclasses.field(default_factory=dict)  # subgraph -> calls it served
+    stamped_layers: int = 0  # layers expand_stamped_layers copied from an exemplar
+    traced_flat: dict[str, str] = dataclasses.field(default_factory=dict)  # stamping refused: layer -> why
+    bound_inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)  # appended inputs, in order
     pass_times: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property

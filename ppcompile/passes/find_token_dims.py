@@ -33,7 +33,7 @@ from collections import Counter
 import sympy
 import torch
 
-from ppcompile.analysis.node_facts import SIZE_EXPR, TOKEN_DIMS
+from ppcompile.analysis.node_facts import BOUND_WEIGHT, SIZE_EXPR, TOKEN_DIMS
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
 from ppcompile.symbolic import example_value, shape_exprs, shape_guards, size_value_expr
@@ -52,7 +52,7 @@ def classify_input(node: torch.fx.Node, example: object) -> InputKind:
         return InputKind.SYMINT
     if not isinstance(example, torch.Tensor):
         return InputKind.OTHER
-    if isinstance(example, torch.nn.Parameter):
+    if isinstance(example, torch.nn.Parameter) or BOUND_WEIGHT.has(node):
         return InputKind.MODULE_STATE
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)

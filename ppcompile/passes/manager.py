@@ -18,6 +18,7 @@ from ppcompile.passes.align_global_layers import align_global_layers
 from ppcompile.passes.check_capture_safety import check_capture_safety
 from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.passes.expand_stamped_layers import expand_stamped_layers
 from ppcompile.passes.find_collectives import find_collectives
 from ppcompile.passes.find_declared_regions import find_declared_regions
 from ppcompile.passes.find_token_dims import find_token_dims
@@ -40,6 +41,8 @@ PASSES: tuple[Pass, ...] = (
     # Every later pass reasons about single ops: put the ops of nested compile regions (traced once,
     # called per layer) back into the stage graph first.
     inline_nested_regions,
+    # Same reason: stamped layers (traced as one op each) get their exemplar's ops back.
+    expand_stamped_layers,
     # Every later pass reasons about token dims: find the token symbol and annotate shapes first.
     find_token_dims,
     # Needs nothing but the flat graph; must see attention calls before they are split apart.

@@ -20,6 +20,7 @@ __all__ = ["CompileRecord", "CompiledStage"]
 
 
 _EMPTY_COUNTS: Mapping[str, int] = types.MappingProxyType({})
+_EMPTY_REASONS: Mapping[str, str] = types.MappingProxyType({})
 _EMPTY: Mapping[str, float] = types.MappingProxyType({})
 
 
@@ -46,6 +47,9 @@ class CompileRecord:
     # Nested compile regions (``trace_layers_once``): subgraph -> the calls it served. Fewer subgraphs
     # than calls is what tracing once saved; one subgraph per call means torch traced every call.
     region_traces: Mapping[str, int] = dataclasses.field(default_factory=lambda: _EMPTY_COUNTS)
+    stamped_layers: int = 0  # layers stamped from an exemplar (``trace_layers_once(stamp=True)``)
+    # The layers of stamped groups whose check failed, traced flat: layer name -> why.
+    traced_flat: Mapping[str, str] = dataclasses.field(default_factory=lambda: _EMPTY_REASONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,8 @@ class CompiledStage:
     never_graphs: bool = False
     # The collectives the stage graph calls (``find_collectives``): its ranks must decide alike.
     collectives: tuple[Collective, ...] = ()
+    # Stamped layers' weights: inputs of the stage graph that Dynamo does not pass; appended to each call's.
+    bound_inputs: tuple[torch.Tensor, ...] = ()
     record: CompileRecord = dataclasses.field(default_factory=lambda: CompileRecord())
 
     @property

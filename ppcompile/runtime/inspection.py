@@ -130,6 +130,11 @@ class StageInspection:
         if c.record.region_traces:
             lines.append(f"  nested regions: {sum(c.record.region_traces.values())} calls served by "
                          f"{len(c.record.region_traces)} traced subgraph(s)")
+        if c.record.stamped_layers:
+            lines.append(f"  stamped layers: {c.record.stamped_layers} (each one op in Dynamo's trace, "
+                         "expanded from its group's first layer)")
+        for layer, why in c.record.traced_flat.items():
+            lines.append(f"  traced flat, not stamped: {layer}: {why}")
         if c.eager_reason:
             lines.append(f"  always eager: {c.eager_reason}")
         for cause, message in self.fall_offs().items():

@@ -169,6 +169,8 @@ class StageRuntime(StageInspection):
 
     # ----------------------------------------------------------------------------------- call
     def __call__(self, *args: Any) -> tuple[Any, ...]:
+        if self.compiled.bound_inputs:
+            args = (*args, *self.compiled.bound_inputs)
         if self._debug:
             return self._call_debug(args)
         return self._call(args)

@@ -11,6 +11,7 @@ import sympy
 import torch
 
 from ppcompile.analysis.node_facts import (
+    BOUND_WEIGHT,
     CAPTURE_UNSAFE,
     COLLECTIVE,
     EAGER_REGION,
@@ -32,6 +33,7 @@ from ppcompile.records import Collective, Segment, StaticBuffer
 PACKAGE = Path(__file__).resolve().parents[2] / "ppcompile"
 s0 = sympy.Symbol("s0", integer=True, positive=True)
 SAMPLES: list[tuple[NodeFact[Any], Any]] = [
+    (BOUND_WEIGHT, "layers.5.mlp.down_proj.weight"),
     (TOKEN_DIMS, ((0, s0), (2, s0 // 2))),
     (SIZE_EXPR, s0 // 2),
     (LAYER_ID, 7),
@@ -86,6 +88,7 @@ def test_token_dims_default_to_empty() -> None:
 def test_each_key_and_its_writer() -> None:
     """The keys are what dumps show in node meta, and each names the pass that writes it."""
     assert {f.key: f.writer for f in FACTS} == {
+        "pp_bound_weight": "expand_stamped_layers",
         "pp_token_dims": "find_token_dims",
         "pp_size_expr": "find_token_dims",
         "pp_layer_id": "align_global_layers",

@@ -1,0 +1,260 @@
+"""Whether a layer may be stamped from its group's exemplar: both run on small fake tensors, op by op.
+
+Each layer's ``forward`` runs on fake tensors of static sizes (the traced call's sizes) under a mode
+that records every op the dispatcher sees, with each tensor argument named by its role: an input, the
+output of an earlier op, a weight of the layer (by name), or another tensor (by identity). Two layers
+may share one trace when their records agree everywhere except Python constants passed to custom ops
+(a global layer id handed to attention); those are returned as substitutions. Anything else that
+differs (an op, a shape, a constant passed to a torch op, a branch taken on a layer's attribute) keeps
+the layer to a flat trace, with the first difference as the reason. Python effects that run no op (a
+layer appending to a list) are not seen.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ppcompile.torch_internals import static_fake_mode, tree_leaves, written_arguments
+from ppcompile.torch_internals.tracing import (
+    as_if_compiling,
+    dispatch_mode,
+    outside_fake_mode,
+    real_tensors_allowed,
+    shares_storage,
+    size_hint,
+)
+
+__all__ = ["Substitution", "compare_layers", "decode_arguments", "encode_arguments", "tensor_key"]
+
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d_functional"})
+_CANNOT_RUN = "cannot run on"
+_Record = tuple[tuple[str, tuple[Any, ...]], ...]
+_EXEMPLAR_RECORDS: weakref.WeakKeyDictionary[nn.Module, dict[Any, _Record | str]] = \
+    weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class Substitution:
+    """In the copy of the exemplar's ops: argument ``index`` (``name``) of the ``occurrence``-th call of
+    custom op ``op`` is ``new`` instead of the exemplar's ``old``."""
+
+    op: str
+    occurrence: int
+    index: int
+    name: str
+    old: Any
+    new: Any
+
+
+def tensor_key(x: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor's traced metadata as plain values: sizes and strides (symbolic ones as text), dtype,
+    device."""
+    return (tuple(str(s) for s in x.shape), tuple(str(s) for s in x.stride()), x.dtype, x.device)
+
+
+def encode_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, list[torch.Tensor]] | None:
+    """``forward``'s arguments as one layout string and their tensors, in order: ``"T|=None|(T,T)|k:=2"``
+    is ``f(t, None, (a, b), k=2)``. None if an argument is neither a tensor, None, an int, float, bool or
+    str, nor a plain tuple or list of those."""
+    tokens: list[str] = []
+    tensors: list[torch.Tensor] = []
+    for key, value in [*((None, a) for a in args), *kwargs.items()]:
+        if type(value) in (tuple, list):
+            inner = [_token(v, tensors) for v in value]
+            if any(t is None for t in inner):
+                return None
+            text = ("(" if type(value) is tuple else "[") + ",".join(t or "" for t in inner) + ")"
+        elif (one := _token(value, tensors)) is not None:
+            text = one
+        else:
+            return None
+        tokens.append(text if key is None else f"{key}:{text}")
+    return "|".join(tokens), tensors
+
+
+def _token(value: Any, tensors: list[torch.Tensor]) -> str | None:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return "T"
+    if value is None or type(value) in (int, float, bool):
+        return "=" + repr(value)
+    return None
+
+
+def decode_arguments(layout: str, tensors: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The ``(args, kwargs)`` that :func:`encode_arguments` laid out, with ``tensors`` in its tensors'
+    places."""
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    at = [0]
+    for token in layout.split("|") if layout else []:
+        key, text = ("", token) if token[0] in "T=([" else token.split(":", 1)
+        if text[0] in "([":
+            items = [_value(t, tensors, at) for t in text[1:-1].split(",") if t]
+            value: Any = tuple(items) if text[0] == "(" else items
+        else:
+            value = _value(text, tensors, at)
+        if key:
+            kwargs[key] = value
+        else:
+            args.append(value)
+    return args, kwargs
+
+
+def _value(text: str, tensors: Sequence[Any], at: list[int]) -> Any:
+    if text == "T":
+        at[0] += 1
+        return tensors[at[0] - 1]
+    return ast.literal_eval(text[1:])
+
+
+def compare_layers(
+    exemplar: nn.Module, layer: nn.Module, layout: str, inputs: Sequence[torch.Tensor], names: tuple[str, str]
+) -> tuple[Substitution, ...] | str:
+    """The substitutions that turn ``exemplar``'s ops into ``layer``'s, or why there are none.
+    ``inputs``: the layer's traced (fake) inputs; ``names``: the two layers' names, for the reason."""
+    static = tuple((tuple(size_hint(s) for s in x.shape), tuple(size_hint(s) for s in x.stride()),
+                    x.dtype, x.device) for x in inputs)
+    cached = _EXEMPLAR_RECORDS.setdefault(exemplar, {})
+    key = (layout, static)
+    if key not in cached:  # meta tensors are fastest; code that branches on the device may need fakes
+        cached[key] = _record(exemplar, layout, static, on_meta=True)
+        if isinstance(cached[key], str) and str(cached[key]).startswith(_CANNOT_RUN):
+            cached[key] = _record(exemplar, layout, static, on_meta=False)
+    theirs = cached[key]
+    if isinstance(theirs, str):
+        return f"{names[0]} {theirs}"
+    ours = _record(layer, layout, static, on_meta=theirs[0][0] == "meta")
+    if isinstance(ours, str):
+        return ours
+    return _diff(theirs, ours, names)
+
+
+def _record(layer: nn.Module, layout: str, static: Sequence[tuple[Any, ...]], on_meta: bool) -> _Record | str:
+    """``layer``'s ops on meta tensors of the ``static`` sizes (real tensors it reads, its weights
+    included, are read as meta copies), or on fake tensors of its own device, with the roles of their
+    tensor arguments; run as if compiling, as Dynamo runs it."""
+    state = dict([*layer.named_parameters(remove_duplicate=False),
+                  *layer.named_buffers(remove_duplicate=False)])
+    kind = "meta" if on_meta else "fake"
+    try:
+        with outside_fake_mode(), as_if_compiling(), contextlib.ExitStack() as stack:
+            if not on_meta:
+                mode = stack.enter_context(static_fake_mode())
+                stack.enter_context(real_tensors_allowed(mode))
+            inputs = [torch.empty_strided(size, stride, dtype=dtype, device="meta" if on_meta else device)
+                      for size, stride, dtype, device in static]
+            recorder = _Recorder(state, inputs, on_meta)
+            args, kwargs = decode_arguments(layout, inputs)
+            with recorder:
+                out = type(layer).forward(layer, *args, **kwargs)
+    except Exception as e:  # any failure keeps the layer flat; the reason says what failed
+        return f"{_CANNOT_RUN} {kind} tensors ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    if recorder.written:  # stamped, its op would run on copies under other backends and lose the write
+        return f"writes its input {min(recorder.written)} in place"
+    weights = tuple((name, tuple(t.shape), t.stride(), t.dtype, t.device) for name, t in state.items())
+    returned = ("return", tuple(recorder.role(v) for v in tree_leaves(out)))
+    return ((kind, weights), *recorder.ops, returned)
+
+
+class _Recorder(dispatch_mode()):  # type: ignore[misc]
+    def __init__(self, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor], on_meta: bool) -> None:
+        super().__init__()
+        self.on_meta = on_meta
+        self.names: dict[int, tuple[str, Any]] = {id(x): ("in", i) for i, x in enumerate(inputs)}
+        self.names.update((id(t), ("w", name)) for name, t in state.items())
+        self.meta: dict[int, torch.Tensor] = {}  # a real tensor's id -> the meta copy ops read instead
+        self.alive: list[Any] = [*inputs, *state.values()]  # every tensor seen stays alive: no id is reused
+        self.ops: list[tuple[str, tuple[Any, ...]]] = []
+        self.inputs = list(inputs)
+        self.written: set[int] = set()  # inputs an op wrote in place (through a view too)
+
+    def _meta(self, value: Any) -> Any:
+        if not self.on_meta:
+            return value
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "meta":
+                return value
+            if id(value) not in self.meta:
+                self.meta[id(value)] = value.to("meta")
+                self.alive.append(value)
+            return self.meta[id(value)]
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._meta(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._meta(v) for k, v in value.items()}
+        return value
+
+    def role(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.names.get(id(value), ("other", id(value)))
+        if isinstance(value, (list, tuple)):
+            return tuple(self.role(v) for v in value)
+        return value
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*self._meta(args), **self._meta(kwargs))
+        roles = tuple(self.role(a) for a in args) + tuple((k, self.role(v)) for k, v in kwargs.items())
+        self.ops.append((str(func.name()), roles))
+        for position, name in written_arguments(func):
+            value = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                self.written.update(i for i, x in enumerate(self.inputs) if shares_storage(value, x))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t) not in self.names:
+                self.names[id(t)] = ("v", len(self.alive))
+                self.alive.append(t)
+        return out
+
+
+def _diff(theirs: _Record, ours: _Record, names: tuple[str, str]) -> tuple[Substitution, ...] | str:
+    if theirs[0] != ours[0]:
+        mine, other = dict((w[0], w[1:]) for w in ours[0][1]), dict((w[0], w[1:]) for w in theirs[0][1])
+        name = next((n for n in {**mine, **other} if mine.get(n) != other.get(n)), "?")
+        return f"its weight {name!r} is {_weight(mine.get(name))}, {names[0]}'s {_weight(other.get(name))}"
+    if len(theirs) != len(ours):
+        return f"it runs {len(ours) - 2} ops, {names[0]} {len(theirs) - 2}"
+    subs: list[Substitution] = []
+    seen: dict[str, int] = {}
+    for (op, a), (op2, b) in zip(theirs, ours):
+        occurrence = seen[op] = seen.get(op, -1) + 1
+        if op != op2:
+            return f"it calls {op2} where {names[0]} calls {op}"
+        if a == b:
+            continue
+        if len(a) != len(b):
+            return f"its call of {op} takes {len(b)} arguments, {names[0]}'s {len(a)}"
+        namespace = op.split("::")[0]
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x == y:
+                continue
+            plain = all(type(v) in (int, float, bool, str) for v in (x, y))
+            if op == "return" or namespace in _TORCH_NAMESPACES or not plain:
+                return f"its call of {op} differs from {names[0]}'s in argument {i} ({y!r} vs {x!r})"
+            subs.append(Substitution(op, occurrence, i, _argument_name(op, i), x, y))
+    return tuple(subs)
+
+
+def _weight(meta: Any) -> str:
+    if meta is None:
+        return "missing"
+    shape, stride, dtype, device = meta
+    return f"{list(shape)} (strides {list(stride)}, {dtype}, {device})"
+
+
+def _argument_name(op: str, index: int) -> str:
+    namespace, _, rest = op.partition("::")
+    name, _, overload = rest.partition(".")
+    packet = getattr(getattr(torch.ops, namespace), name)
+    schema = getattr(packet, overload or "default")._schema
+    return str(schema.arguments[index].name) if index < len(schema.arguments) else str(index)

@@ -1,0 +1,327 @@
+"""Stamped layers: Dynamo traces one layer of a group; each other layer reaches the graph as one op.
+
+``trace_layers_once(stage, stamp=True)`` gives every layer of a group of alike layers an instance
+``forward`` that, while Dynamo traces, does one of three things:
+
+- **exemplar** (the group's first layer called in the trace with this layout of arguments): runs its own
+  code, traced op by op as in a flat trace, between ``ppcompile::layer_input`` and
+  ``ppcompile::layer_output`` markers (its inputs are copies, written back after it);
+- **stamp** (every later layer of the group with that layout): one ``ppcompile::stamped_layer`` op
+  whose traced outputs are the exemplar's, so Dynamo does not trace the layer's code;
+- **flat** (a layer whose check failed, a second call of the exemplar, or arguments it does not lay
+  out): its own code, traced op by op.
+
+Before a layer is stamped, ``ppcompile::stamp_probe`` checks it against the exemplar while Dynamo traces
+(``layer_stamp_checks``): the same traced input sizes, and the same ops when both run on meta tensors.
+Python constants that differ (a global layer id) are allowed only as arguments of custom ops; the
+backend's ``expand_stamped_layers`` pass substitutes them when it copies the exemplar's ops for the
+layer, wired to the layer's own inputs and weights. So the stage graph the other passes see is a flat
+trace's.
+
+Dynamo's graph, layer 5 stamped from layer 4::
+
+    copy = ppcompile.layer_input(l_hidden_, 'g0/layers.4', 0)
+    ... layer 4's ops on copy and l_self_modules_layers_modules_4_..., attention(q, k, v, 4) ...
+    h4 = ppcompile.layer_output(out, 'g0/layers.4', 0)
+    probe = ppcompile.stamp_probe([h4], 'g0/layers.5', 'T')
+    stamped = ppcompile.stamped_layer([h4], 'g0/layers.5', 'T');  h5 = stamped[0]
+
+Other backends run ``stamped_layer`` as the layer's own ``forward`` on copies of its inputs (a layer
+that writes its input is never stamped). Outside ``torch.compile`` the layers run their own ``forward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ppcompile.layer_stamp_checks import (
+    Substitution,
+    compare_layers,
+    decode_arguments,
+    encode_arguments,
+    tensor_key,
+)
+from ppcompile.region_ops import region_write_back
+from ppcompile.torch_internals import every_dim_dynamic
+from ppcompile.torch_internals.tracing import trace_attempt
+
+__all__ = ["StampFacts", "install_stamps", "layer_of", "stamp_facts"]
+
+log = logging.getLogger(__name__)
+
+_LAYERS: dict[str, weakref.ref[nn.Module]] = {}  # handle -> layer
+_GROUP_OF: dict[str, str] = {}  # handle -> its group's name
+_GROUPS = 0
+
+
+@dataclasses.dataclass
+class StampFacts:
+    """What the checks decided for one stamped layer: the exemplar it copies and the constants to
+    substitute in the copy."""
+
+    exemplar: str
+    substitutions: tuple[Substitution, ...]
+
+
+@dataclasses.dataclass
+class _Trace:
+    """What one Dynamo trace attempt learnt: each group's exemplar, its inputs, outputs and layout."""
+
+    attempt: str
+    exemplar: dict[str, str] = dataclasses.field(default_factory=dict)  # group and layout -> handle
+    inputs: dict[str, dict[int, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    outputs: dict[str, dict[int, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    out_layout: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    stamped: dict[str, StampFacts] = dataclasses.field(default_factory=dict)
+    rejected: dict[str, str] = dataclasses.field(default_factory=dict)  # handle -> why it traced flat
+
+
+_TRACE: _Trace | None = None
+
+
+def _trace() -> _Trace | None:
+    global _TRACE
+    attempt = trace_attempt()
+    if attempt is None:
+        return None
+    if _TRACE is None or _TRACE.attempt != attempt:
+        _TRACE = _Trace(attempt)
+    return _TRACE
+
+
+def layer_of(handle: str) -> nn.Module:
+    """The live layer ``handle`` names; raises ``RuntimeError`` if it is gone."""
+    ref = _LAYERS.get(handle)
+    layer = ref() if ref is not None else None
+    if layer is None:
+        raise RuntimeError(f"ppcompile: stamped layer {handle!r} no longer exists")
+    return layer
+
+
+def stamp_facts() -> tuple[dict[str, StampFacts], dict[str, str]]:
+    """The stamped layers of the Dynamo trace in progress (handle -> facts) and the layers whose check
+    failed (handle -> why); empty outside a trace."""
+    state = _trace()
+    return ({}, {}) if state is None else (dict(state.stamped), dict(state.rejected))
+
+
+def install_stamps(names: Sequence[str], modules: Sequence[nn.Module]) -> str:
+    """Gives each of ``modules`` (alike layers, ``names`` in the stage) the stamping ``forward``; returns
+    the group's name."""
+    global _GROUPS
+    group = f"g{_GROUPS}"
+    _GROUPS += 1
+    for name, module in zip(names, modules):
+        handle = f"{group}/{name}"
+        _LAYERS[handle] = weakref.ref(module)
+        _GROUP_OF[handle] = group
+        module.forward = types.MethodType(_stamping_forward(handle, type(module).forward), module)
+    return group
+
+
+# ------------------------------------------------------------------------------------------ at trace time
+@torch.compiler.assume_constant_result
+def _role(handle: str, layout: str) -> str:
+    """``"exemplar"`` for the first layer of its group called with ``layout`` in this trace, ``"stamp"``
+    for the others, ``"flat"`` for the exemplar called again (or outside a trace)."""
+    state = _trace()
+    if state is None:
+        return "flat"
+    kind = _kind(handle, layout)
+    if kind not in state.exemplar:
+        state.exemplar[kind] = handle
+        return "exemplar"
+    return "flat" if state.exemplar[kind] == handle else "stamp"  # an exemplar called again: flat
+
+
+def _kind(handle: str, layout: str) -> str:
+    """Layers of a group called with one layout of arguments share an exemplar (a hybrid's layer class
+    takes other arguments in its attention layers than in its linear-attention ones)."""
+    return f"{_GROUP_OF[handle]}|{layout}"
+
+
+@torch.compiler.assume_constant_result
+def _note_out_layout(handle: str, kind: str, mask: str) -> bool:
+    state = _trace()
+    if state is not None:
+        state.out_layout[handle] = (kind, mask)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _stamp_ok(handle: str) -> bool:
+    state = _trace()
+    return state is not None and handle in state.stamped
+
+
+@torch.compiler.assume_constant_result
+def _out_layout(handle: str, layout: str) -> tuple[str, str]:
+    state = _trace()
+    assert state is not None
+    return state.out_layout[state.exemplar[_kind(handle, layout)]]
+
+
+def _stamping_forward(handle: str, forward: Any) -> Any:
+    def stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        tracing = torch.compiler.is_compiling() and not every_dim_dynamic()
+        encoded = encode_arguments(args, kwargs) if tracing else None
+        if encoded is None or not encoded[1]:
+            return forward(self, *args, **kwargs)
+        layout, tensors = encoded
+        role = _role(handle, layout)
+        if role == "flat":
+            return forward(self, *args, **kwargs)
+        if role == "exemplar":
+            marked = [layer_input(x, handle, i) for i, x in enumerate(tensors)]
+            copies = iter(marked)
+            out = forward(self, *_swap_tensors(args, copies), **dict(zip(kwargs, _swap_tensors(
+                tuple(kwargs.values()), copies))))
+            for x, copy in zip(tensors, marked):  # the layer may have written its input's copy
+                region_write_back(x, copy)
+            return _mark_outputs(handle, out)
+        stamp_probe(tensors, handle, layout)
+        if not _stamp_ok(handle):
+            return forward(self, *args, **kwargs)
+        outs = stamped_layer(tensors, handle, layout)
+        kind, mask = _out_layout(handle, layout)
+        if kind == "T":
+            return outs[0]
+        values, at = [], 0
+        for m in mask:
+            if m == "T":
+                values.append(outs[at])
+                at += 1
+            else:
+                values.append(None)
+        return tuple(values) if kind == "tuple" else values
+
+    return stamped_forward
+
+
+def _swap_tensors(values: tuple[Any, ...], new: Any) -> list[Any]:
+    """``values`` with each tensor (at the top level or in a tuple or list) replaced by ``next(new)``;
+    written out for Dynamo, which traces it per call."""
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(next(new))
+        elif type(v) in (tuple, list):
+            out.append(type(v)(next(new) if isinstance(x, torch.Tensor) else x for x in v))
+        else:
+            out.append(v)
+    return out
+
+
+def _mark_outputs(handle: str, out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        _note_out_layout(handle, "T", "T")
+        return layer_output(out, handle, 0)
+    if type(out) not in (tuple, list) or not all(v is None or isinstance(v, torch.Tensor) for v in out):
+        _note_out_layout(handle, "other", "")
+        return out
+    mask = "".join("T" if isinstance(v, torch.Tensor) else "N" for v in out)
+    _note_out_layout(handle, type(out).__name__, mask)
+    marked, at = [], 0
+    for v in out:
+        if isinstance(v, torch.Tensor):
+            marked.append(layer_output(v, handle, at))
+            at += 1
+        else:
+            marked.append(None)
+    return type(out)(marked)
+
+
+# ------------------------------------------------------------------------------------------ ops
+@torch.library.custom_op("ppcompile::layer_input", mutates_args=())
+def layer_input(x: torch.Tensor, handle: str, index: int) -> torch.Tensor:
+    """A copy of input ``index`` of the exemplar layer ``handle``: marks where its traced ops begin.
+    ``expand_stamped_layers`` replaces each call by ``x``."""
+    return x.clone()
+
+
+@layer_input.register_fake
+def _(x: torch.Tensor, handle: str, index: int) -> torch.Tensor:
+    state = _trace()
+    if state is not None:
+        state.inputs.setdefault(handle, {})[index] = x
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("ppcompile::layer_output", mutates_args=())
+def layer_output(x: torch.Tensor, handle: str, index: int) -> torch.Tensor:
+    """A copy of output ``index`` of the exemplar layer ``handle``: marks where its traced ops end."""
+    return x.clone()
+
+
+@layer_output.register_fake
+def _(x: torch.Tensor, handle: str, index: int) -> torch.Tensor:
+    state = _trace()
+    if state is not None:
+        state.outputs.setdefault(handle, {})[index] = x
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("ppcompile::stamp_probe", mutates_args=())
+def stamp_probe(inputs: list[torch.Tensor], handle: str, layout: str) -> torch.Tensor:
+    """Checks, while Dynamo traces, whether layer ``handle`` may be stamped from its group's exemplar;
+    does nothing when run. ``expand_stamped_layers`` drops it."""
+    return inputs[0].new_empty(0)
+
+
+@stamp_probe.register_fake
+def _(inputs: list[torch.Tensor], handle: str, layout: str) -> torch.Tensor:
+    state = _trace()
+    if state is not None and handle not in state.stamped and handle not in state.rejected:
+        why = _check(state, handle, layout, inputs)
+        if why is None:
+            log.debug("stamped layer %s", handle)
+        else:
+            state.rejected[handle] = why
+            log.info("trace_layers_once: %s is traced flat: %s", handle.partition("/")[2], why)
+    return inputs[0].new_empty(0)
+
+
+def _check(state: _Trace, handle: str, layout: str, inputs: Sequence[torch.Tensor]) -> str | None:
+    exemplar = state.exemplar[_kind(handle, layout)]
+    name, ex_name = handle.partition("/")[2], exemplar.partition("/")[2]
+    if state.out_layout.get(exemplar, ("other", ""))[0] == "other":
+        return f"{ex_name} returns something other than a tensor or a tuple or list of tensors"
+    ex_inputs = state.inputs.get(exemplar, {})
+    for i, x in enumerate(inputs):  # keyed now: the trace may have unified symbols since the exemplar's
+        theirs = tensor_key(ex_inputs[i]) if i in ex_inputs else None
+        if theirs != tensor_key(x):
+            return f"its input {i} is {tensor_key(x)}, {ex_name}'s is {theirs}"
+    verdict = compare_layers(layer_of(exemplar), layer_of(handle), layout, inputs, (ex_name, name))
+    if isinstance(verdict, str):
+        return verdict
+    state.stamped[handle] = StampFacts(exemplar, verdict)
+    return None
+
+
+@torch.library.custom_op("ppcompile::stamped_layer", mutates_args=())
+def stamped_layer(inputs: list[torch.Tensor], handle: str, layout: str) -> list[torch.Tensor]:
+    """Layer ``handle``'s ``forward`` on copies of ``inputs`` (arguments laid out as ``layout``), its
+    tensor outputs copied. ``expand_stamped_layers`` replaces each call by the layer's own ops."""
+    layer = layer_of(handle)
+    args, kwargs = decode_arguments(layout, [x.clone() for x in inputs])
+    out = type(layer).forward(layer, *args, **kwargs)
+    outs = [out] if isinstance(out, torch.Tensor) else [v for v in out if isinstance(v, torch.Tensor)]
+    return [o.clone() for o in outs]
+
+
+@stamped_layer.register_fake
+def _(inputs: list[torch.Tensor], handle: str, layout: str) -> list[torch.Tensor]:
+    state = _trace()
+    if state is None:
+        raise RuntimeError("ppcompile::stamped_layer has no fake outputs outside the trace that made it")
+    outputs = state.outputs[state.exemplar[_kind(handle, layout)]]
+    return [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+            for _, o in sorted(outputs.items())]

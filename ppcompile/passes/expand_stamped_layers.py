@@ -1,0 +1,227 @@
+"""Pass ``expand_stamped_layers``: copy the exemplar's ops for each stamped layer (``layer_stamps``).
+
+A layer that ``trace_layers_once(stage, stamp=True)`` stamped reaches the stage graph as one
+``ppcompile::stamped_layer`` call (after the ``ppcompile::stamp_probe`` that checked it); its exemplar
+(the first layer of its group called) was traced op by op between ``ppcompile::layer_input`` and
+``ppcompile::layer_output`` markers. Each call becomes a copy of the exemplar's ops, wired to the call's
+inputs; the exemplar's weights become the layer's own (new graph inputs, in ``ctx.bound_inputs``, which
+the runtime appends to each call's inputs); the custom-op constants the check found different (a
+global layer id) become the layer's; each copy's module stack names the layer. The markers, the
+exemplar's write-backs and the probes go: the graph aliases and writes in place as the model does.
+
+Before::
+
+    copy = ppcompile.layer_input(l_x_, 'g0/layers.0', 0)
+    linear = torch._C._nn.linear(copy, l_layers_0_up_weight);  tagged = test.tagged(linear, 0)
+    region_write_back(l_x_, copy)
+    x = ppcompile.layer_output(tagged, 'g0/layers.0', 0)
+    stamp_probe = ppcompile.stamp_probe([x], 'g0/layers.1', 'T')
+    stamped = ppcompile.stamped_layer([x], 'g0/layers.1', 'T');  x_1 = stamped[0]
+
+After::
+
+    linear = torch._C._nn.linear(l_x_, l_layers_0_up_weight);  tagged = test.tagged(linear, 0)
+    linear_1 = torch._C._nn.linear(tagged, bound_layers_1_up_weight);  tagged_1 = test.tagged(linear_1, 1)
+
+with ``bound_layers_1_up_weight`` a new graph input (``BOUND_WEIGHT``: ``layers.1.up.weight``).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ppcompile.analysis.module_stacks import innermost_module, restacked
+from ppcompile.analysis.node_facts import BOUND_WEIGHT
+from ppcompile.layer_stamp_checks import Substitution
+from ppcompile.layer_stamps import (
+    StampFacts,
+    layer_input,
+    layer_of,
+    layer_output,
+    stamp_facts,
+    stamp_probe,
+    stamped_layer,
+)
+from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.region_ops import region_write_back
+from ppcompile.torch_internals import OpOverload, OpOverloadPacket
+
+__all__ = ["expand_stamped_layers"]
+
+log = logging.getLogger(__name__)
+
+_INPUT, _OUTPUT = layer_input._opoverload, layer_output._opoverload
+_PROBE, _STAMPED = stamp_probe._opoverload, stamped_layer._opoverload
+_MARKERS = (_INPUT, _OUTPUT)
+_WRITE_BACK = region_write_back._opoverload
+
+
+class _Template:
+    """The exemplar's ops, in graph order, with what they read from outside."""
+
+    def __init__(self, gm: torch.fx.GraphModule, handle: str) -> None:
+        nodes = list(gm.graph.nodes)
+        marks = [i for i, n in enumerate(nodes) if n.target in _MARKERS and n.args[1] == handle]
+        self.nodes = nodes[marks[0]:marks[-1] + 1]
+        inside = set(self.nodes)
+        self.inputs = {int(n.args[2]): n for n in self.nodes if n.target is _INPUT}
+        self.outputs = {int(n.args[2]): n.args[0] for n in self.nodes if n.target is _OUTPUT}
+        self.path = innermost_module(self.nodes[0])  # a marker's module stack ends at the exemplar
+        self.outside = list(dict.fromkeys(  # in graph order: the bound inputs' order is deterministic
+            a for n in self.nodes if n.target is not _INPUT for a in n.all_input_nodes if a not in inside))
+
+
+def expand_stamped_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Replaces every ``stamped_layer`` call with a copy of its exemplar's ops."""
+    stamped = list(gm.graph.find_nodes(op="call_function", target=_STAMPED))
+    markers = [n for t in (*_MARKERS, _PROBE) for n in gm.graph.find_nodes(op="call_function", target=t)]
+    if not stamped and not markers:
+        return PassResult(gm, modified=False)
+    facts, refused = stamp_facts()
+    probed = {str(n.args[1]) for n in gm.graph.find_nodes(op="call_function", target=_PROBE)}
+    ctx.traced_flat = {_path_of(h): why for h, why in refused.items() if h in probed}
+    gm = torch.fx.GraphModule(gm, gm.graph.__deepcopy__())  # new inputs: not in the graph Dynamo keeps
+    stamped = list(gm.graph.find_nodes(op="call_function", target=_STAMPED))
+    input_copies = set(gm.graph.find_nodes(op="call_function", target=_INPUT))
+    templates: dict[str, _Template] = {}
+    index_of = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    for node in stamped:
+        handle = str(node.args[1])
+        if handle not in facts:
+            raise ValueError(f"pp_breakable: {node.name} stamps layer {handle!r}, which this trace did not "
+                             "check: stamped layers compile only inside the Dynamo trace that stamped them "
+                             "(not from a stored graph or an ahead-of-time compile)")
+        fact = facts[handle]
+        template = templates.get(fact.exemplar) or templates.setdefault(fact.exemplar,
+                                                                         _Template(gm, fact.exemplar))
+        _expand(gm, ctx, node, handle, fact, template, index_of)
+    for node in list(gm.graph.find_nodes(op="call_function", target=_WRITE_BACK)):
+        if node.args[1] in input_copies:  # the exemplar's input copies go, and writing them back too
+            gm.graph.erase_node(node)
+    for node in [*gm.graph.find_nodes(op="call_function", target=_INPUT),
+                 *gm.graph.find_nodes(op="call_function", target=_OUTPUT)]:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    for node in list(gm.graph.find_nodes(op="call_function", target=_PROBE)):
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    ctx.stamped_layers = len(stamped)
+    log.debug("%s: stamped %d layer(s) from %d exemplar(s)", ctx.graph_name, len(stamped), len(templates))
+    return PassResult(gm, modified=True)
+
+
+def _expand(
+    gm: torch.fx.GraphModule, ctx: PassContext, node: torch.fx.Node, handle: str, fact: StampFacts,
+    template: _Template, index_of: dict[torch.fx.Node, int],
+) -> None:
+    graph = gm.graph
+    exemplar, layer = layer_of(fact.exemplar), layer_of(handle)
+    weights = _weights_by_identity(exemplar)
+    operands = list(node.args[0])  # type: ignore[arg-type]
+    env: dict[torch.fx.Node, Any] = {template.inputs[i]: operands[i] for i in template.inputs}
+    for outer in template.outside:
+        if outer in env:
+            continue
+        if outer.op != "placeholder" and isinstance(outer.meta.get("example_value"), torch.SymInt):
+            env[outer] = outer  # a size Dynamo computed once and reuses: valid anywhere after it
+            continue
+        if outer.op != "placeholder":
+            readers = [n.format_node() for n in template.nodes if outer in n.all_input_nodes][:2]
+            raise ValueError(f"pp_breakable: the exemplar of {handle!r} reads {outer.format_node()}, a value "
+                             f"from outside it other than its inputs and weights ({readers}); it cannot be "
+                             "stamped")
+        name = weights.get(id(ctx.example_inputs[index_of[outer]]))
+        env[outer] = outer if name is None else _bind(gm, ctx, outer, name, _tensor(layer, name), handle)
+    pending = _pending(fact.substitutions)
+    call_stack = node.meta.get("nn_module_stack")  # ends at the stamped layer
+    seen: dict[str, int] = {}
+    with graph.inserting_before(node):
+        for sn in template.nodes:
+            if sn.target is _INPUT or sn.target is _WRITE_BACK:  # the write-back: of the exemplar's copy
+                continue
+            if sn.target is _OUTPUT:
+                env[sn] = env[sn.args[0]]
+                continue
+            copy = graph.node_copy(sn, lambda n: env.get(n, n))
+            copy.meta = restacked(dict(sn.meta), template.path, call_stack)
+            if (op := _custom_op_name(sn)) is not None:
+                occurrence = seen[op] = seen.get(op, -1) + 1
+                for sub in pending.get((op, occurrence), ()):
+                    _substitute(copy, sub, handle)
+            env[sn] = copy
+    outs = [env[template.outputs[i]] for i in sorted(template.outputs)]
+    for user in list(node.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise ValueError(f"pp_breakable: {user.name} reads the results of {node.name} other than by "
+                             "index")
+        user.replace_all_uses_with(outs[user.args[1]])  # type: ignore[index]
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def _path_of(handle: str) -> str:
+    return handle.partition("/")[2]
+
+
+def _weights_by_identity(layer: nn.Module) -> dict[int, str]:
+    named = [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]
+    return {id(t): name for name, t in named}
+
+
+def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    module_path, _, attr = name.rpartition(".")
+    owner = layer.get_submodule(module_path) if module_path else layer
+    value = getattr(owner, attr)
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+def _bind(gm: torch.fx.GraphModule, ctx: PassContext, like: torch.fx.Node, name: str, value: torch.Tensor,
+          handle: str) -> torch.fx.Node:
+    """A new graph input for weight ``name`` of layer ``handle`` (its value bound by the runtime)."""
+    last = list(gm.graph.find_nodes(op="placeholder"))[-1]
+    safe = "".join(c if c.isalnum() else "_" for c in f"bound_{_path_of(handle)}_{name}")
+    with gm.graph.inserting_after(last):
+        node = gm.graph.placeholder(safe)
+    node.meta = {k: v for k, v in like.meta.items() if k in ("example_value", "val", "tensor_meta")}
+    BOUND_WEIGHT.set(node, f"{_path_of(handle)}.{name}")
+    ctx.example_inputs.append(value)
+    ctx.bound_inputs.append(value)
+    return node
+
+
+def _pending(subs: tuple[Substitution, ...]) -> dict[tuple[str, int], list[Substitution]]:
+    out: dict[tuple[str, int], list[Substitution]] = {}
+    for sub in subs:
+        out.setdefault((sub.op, sub.occurrence), []).append(sub)
+    return out
+
+
+def _custom_op_name(node: torch.fx.Node) -> str | None:
+    target = node.target
+    if node.op != "call_function":
+        return None
+    if isinstance(target, OpOverload):
+        return str(target.name())
+    if isinstance(target, OpOverloadPacket):
+        return str(target.default.name())
+    return None
+
+
+def _substitute(copy: torch.fx.Node, sub: Substitution, handle: str) -> None:
+    args = list(copy.args)
+    if sub.index < len(args) and args[sub.index] == sub.old:
+        args[sub.index] = sub.new
+        copy.args = tuple(args)
+        return
+    if copy.kwargs.get(sub.name, object()) == sub.old:
+        copy.kwargs = {**copy.kwargs, sub.name: sub.new}
+        return
+    raise ValueError(f"pp_breakable: cannot set {sub.name}={sub.new!r} in the copy of {sub.op} for "
+                     f"stamped layer {handle!r}: the exemplar's call does not pass {sub.old!r} there")

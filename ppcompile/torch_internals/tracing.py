@@ -1,0 +1,82 @@
+"""The private torch APIs of stamped layers (``ppcompile.layer_stamps``): which trace is running, and
+running a layer's code on meta tensors from inside it.
+
+A stamped layer's checks run while Dynamo traces the stage: they key what they learn by the trace
+attempt (a restarted trace starts afresh), step out of the trace's fake mode, and record a layer's ops
+at the dispatcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ppcompile.torch_internals import shape_env_hints, symint_shape_env
+from ppcompile.torch_internals.lookup import attr, lookup
+
+__all__ = [
+    "as_if_compiling", "dispatch_mode", "outside_fake_mode", "real_tensors_allowed", "shares_storage",
+    "size_hint", "trace_attempt",
+]
+
+_WHY = "to stamp repeated layers out"
+
+
+def trace_attempt() -> str | None:
+    """Names the Dynamo trace attempt in progress (compile id and attempt), or None outside one."""
+    trace = lookup("torch._guards", "CompileContext.current_trace_id", _WHY)()
+    return None if trace is None else str(trace)
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
+    """Within: no fake tensor mode is active (a fake op's implementation running real or meta ops)."""
+    cm: contextlib.AbstractContextManager[Any] = lookup(
+        "torch._subclasses.fake_tensor", "unset_fake_temporarily", _WHY)()
+    return cm
+
+
+@contextlib.contextmanager
+def real_tensors_allowed(fake_mode: Any) -> Iterator[None]:
+    """Within: ops under ``fake_mode`` take real tensors (a layer's own weights) and fake them."""
+    before = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        fake_mode.allow_non_fake_inputs = before
+
+
+@contextlib.contextmanager
+def as_if_compiling() -> Iterator[None]:
+    """Within: ``torch.compiler.is_compiling()`` is True, so code that branches on it (HF's MoE experts)
+    runs as Dynamo traces it."""
+    module = lookup("torch", "compiler", _WHY)
+    before = attr(module, "_is_compiling_flag", "torch.compiler", _WHY)
+    module._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        module._is_compiling_flag = before
+
+
+def dispatch_mode() -> type:
+    """The base class of a mode that sees every op at the dispatcher."""
+    cls: type = lookup("torch.utils._python_dispatch", "TorchDispatchMode", _WHY)
+    return cls
+
+
+
+def size_hint(size: Any) -> int:
+    """The value a traced size (int or SymInt) had in the call being traced."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr = attr(size, "node", "SymInt", _WHY).expr
+    return int(expr.xreplace(shape_env_hints(symint_shape_env(size))))
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (meta tensors included, which have no data)."""
+    return bool(lookup("torch._C", "_is_alias_of", _WHY)(a, b))
