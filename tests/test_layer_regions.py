@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference_runs import new_runtimes, run_middle_stage
 from stage_checks import assert_close
 from torch import nn
 
@@ -17,10 +18,7 @@ import ppcompile
 from ppcompile.layer_regions import DEFAULT_MIN_REGION_MODULES
 from ppcompile.models import (
     REFERENCE_CONFIGS,
-    make_batch,
-    make_forward_context,
     make_stage,
-    set_forward_context,
 )
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.torch_internals import region_traces_reused
@@ -39,10 +37,6 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _new_runtimes(before: list[StageRuntime]) -> list[StageRuntime]:
-    return [rt for rt in ppcompile.stage_runtimes() if not any(rt is b for b in before)]
-
-
 def _run_reference(name: str, once: bool, min_modules: int = DEFAULT_MIN_REGION_MODULES,
                    ) -> tuple[list[Any], list[Any], StageRuntime]:
     """A middle stage of 3 layers, compiled (with or without trace_layers_once), at every count."""
@@ -50,20 +44,7 @@ def _run_reference(name: str, once: bool, min_modules: int = DEFAULT_MIN_REGION_
     stage = make_stage(cfg, 1, 3)
     if once:
         assert ppcompile.trace_layers_once(stage, min_region_modules=min_modules) is stage
-    before = ppcompile.stage_runtimes()
-    compiled = torch.compile(stage, backend="pp_breakable", options=OPTIONS)
-    got, want = [], []
-    for n in COUNTS:
-        _, pos, proxies = make_batch(cfg, [n], 1, 3, seed=n)
-        if n == COUNTS[0]:
-            ppcompile.mark_token_dynamic(pos, proxies)
-        ctx = make_forward_context([n], cfg, range(stage.start_layer, stage.end_layer))
-        with torch.inference_mode(), set_forward_context(ctx):  # outputs live until the next call: clone
-            got.append({k: v.clone() for k, v in compiled(None, pos, pp_proxy_tensors=proxies).items()})
-            want.append(dict(stage(None, pos, pp_proxy_tensors=proxies).items()))
-    runtimes = [rt for rt in _new_runtimes(before) if rt.token_symbol is not None]
-    assert len(runtimes) == 1, [rt.label for rt in runtimes]
-    return got, want, runtimes[0]
+    return run_middle_stage(stage, cfg, OPTIONS, COUNTS)
 
 
 @pytest.mark.parametrize("name", ["small-dense", "small-moe"])
@@ -191,7 +172,7 @@ def test_aliasing_and_in_place_regions_trace_and_equal_eager() -> None:
             got, want = compiled(x.clone()), untouched(x.clone())
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
-    (runtime,) = [rt for rt in _new_runtimes(before) if rt.token_symbol is not None]
+    (runtime,) = new_runtimes(before)
     assert sum(runtime.compiled.record.region_traces.values()) == 4
     split = runtime.compiled.record.split_module
     assert split is not None and "region_copy" not in split.print_readable(print_output=False)
@@ -275,7 +256,7 @@ def test_hf_stages_traced_once_equal_eager(family: str) -> None:
             ppcompile.mark_token_dynamic(ids, positions)
         with torch.inference_mode():
             assert_close(compiled(ids, positions).clone(), stage(ids, positions), f"{family} at {n}", 1e-4)
-    traces = [rt.compiled.record.region_traces for rt in _new_runtimes(before) if rt.token_symbol is not None]
+    traces = [rt.compiled.record.region_traces for rt in new_runtimes(before)]
     assert traces and all(sum(t.values()) >= 4 for t in traces)
     if region_traces_reused():
         assert all(len(t) < sum(t.values()) for t in traces), traces
@@ -302,4 +283,4 @@ def test_dynamic_true_traces_flat_instead_of_failing_inside_regions() -> None:
         with torch.inference_mode():
             for g, w in zip(compiled(x.clone()), untouched(x.clone())):
                 torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
-    assert all(not rt.compiled.record.region_traces for rt in _new_runtimes(before))
+    assert all(not rt.compiled.record.region_traces for rt in new_runtimes(before))

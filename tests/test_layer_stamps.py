@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference_runs import new_runtimes, run_middle_stage
 from stage_checks import assert_close
 from torch import nn
 
@@ -37,30 +38,13 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _new_runtimes(before: list[StageRuntime]) -> list[StageRuntime]:
-    return [rt for rt in ppcompile.stage_runtimes() if not any(rt is b for b in before)
-            and rt.token_symbol is not None]
-
-
 def _run_reference(name: str, stamp: bool, layers: int = 3) -> tuple[list[Any], list[Any], StageRuntime]:
     """A middle stage of ``layers`` layers, compiled (stamped or flat), at every count."""
     cfg = REFERENCE_CONFIGS[name].replace(num_layers=3 * layers)
     stage = make_stage(cfg, 1, 3)
     if stamp:
         assert ppcompile.trace_layers_once(stage, stamp=True) is stage
-    before = ppcompile.stage_runtimes()
-    compiled = torch.compile(stage, backend="pp_breakable", options=OPTIONS)
-    got, want = [], []
-    for n in COUNTS:
-        _, pos, proxies = make_batch(cfg, [n], 1, 3, seed=n)
-        if n == COUNTS[0]:
-            ppcompile.mark_token_dynamic(pos, proxies)
-        ctx = make_forward_context([n], cfg, range(stage.start_layer, stage.end_layer))
-        with torch.inference_mode(), set_forward_context(ctx):  # outputs live until the next call: clone
-            got.append({k: v.clone() for k, v in compiled(None, pos, pp_proxy_tensors=proxies).items()})
-            want.append(dict(stage(None, pos, pp_proxy_tensors=proxies).items()))
-    (runtime,) = _new_runtimes(before)
-    return got, want, runtime
+    return run_middle_stage(stage, cfg, OPTIONS, COUNTS)
 
 
 def _split(runtime: StageRuntime) -> list[Any]:
@@ -143,14 +127,18 @@ class _Stack(nn.Module):
 
 
 def _compile_and_compare(stack: nn.Module, untouched: nn.Module, backend: str = "pp_breakable") -> None:
+    """``stack`` compiled against ``untouched`` eager at every count: outputs, and inputs after the call
+    (a layer may write its input)."""
     options = OPTIONS if backend == "pp_breakable" else None
     compiled = torch.compile(stack, backend=backend, options=options)
     for n in COUNTS:
         x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
         if n == COUNTS[0]:
             ppcompile.mark_token_dynamic(x)
+        got_x, want_x = x.clone(), x.clone()
         with torch.inference_mode():
-            torch.testing.assert_close(compiled(x.clone()), untouched(x.clone()), atol=1e-5, rtol=0)
+            torch.testing.assert_close(compiled(got_x), untouched(want_x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_x, want_x, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(("layer", "why"), [
@@ -165,7 +153,7 @@ def test_a_layer_its_check_refuses_is_traced_flat_and_logged(
     with caplog.at_level(logging.INFO, logger=STAMP_LOG):
         _compile_and_compare(stack, _Stack(layer))
     assert f"trace_layers_once: layers.1 is traced flat: {why}" in caplog.text
-    (runtime,) = _new_runtimes(before)
+    (runtime,) = new_runtimes(before)
     assert runtime.compiled.record.stamped_layers < 3
     assert runtime.compiled.record.traced_flat["layers.1"] == why
     assert f"traced flat, not stamped: layers.1: {why}" in runtime.describe()
@@ -184,16 +172,7 @@ def test_layers_that_write_their_input_are_traced_flat(backend: str,
     layer could not, so none is stamped."""
     stack = ppcompile.trace_layers_once(_Stack(_Writer), stamp=True)
     with caplog.at_level(logging.INFO, logger=STAMP_LOG):
-        options = OPTIONS if backend == "pp_breakable" else None
-        compiled = torch.compile(stack, backend=backend, options=options)
-        for n in COUNTS:
-            x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
-            if n == COUNTS[0]:
-                ppcompile.mark_token_dynamic(x)
-            got_x, want_x = x.clone(), x.clone()
-            with torch.inference_mode():
-                torch.testing.assert_close(compiled(got_x), _Stack(_Writer)(want_x), atol=1e-5, rtol=0)
-            torch.testing.assert_close(got_x, want_x, atol=0, rtol=0)  # the first layer's write is kept
+        _compile_and_compare(stack, _Stack(_Writer), backend)  # the first layer's write is kept too
     assert "layers.1 is traced flat: layers.0 writes its input 0 in place" in caplog.text
 
 
@@ -247,7 +226,7 @@ def test_dynamic_true_traces_stamped_layers_flat() -> None:
         x = torch.randn(n, 8)
         with torch.inference_mode():
             torch.testing.assert_close(compiled(x), _PlainStack(_Plain)(x), atol=1e-5, rtol=0)
-    assert all(rt.compiled.record.stamped_layers == 0 for rt in _new_runtimes(before))
+    assert all(rt.compiled.record.stamped_layers == 0 for rt in new_runtimes(before))
 
 
 @pytest.mark.parametrize(("family", "stamped"), [("llama", 3), ("qwen3_moe", 3), ("qwen3_next", 2)])
@@ -268,7 +247,7 @@ def test_hf_stages_stamped_equal_eager(family: str, stamped: int) -> None:
             ppcompile.mark_token_dynamic(ids, positions)
         with torch.inference_mode():
             assert_close(compiled(ids, positions).clone(), stage(ids, positions), f"{family} at {n}", 1e-4)
-    assert [rt.compiled.record.stamped_layers for rt in _new_runtimes(before)] == [stamped]
+    assert [rt.compiled.record.stamped_layers for rt in new_runtimes(before)] == [stamped]
 
 
 def test_warm_compile_of_a_stamped_stage_compiles_as_torch_compile_does(
@@ -306,5 +285,5 @@ def test_a_stamped_stage_on_cuda_graphs_equals_eager() -> None:
             with set_forward_context(make_forward_context([n], cfg, layers, device="cuda")):
                 want = dict(stage(None, pos, pp_proxy_tensors=proxies).items())
         assert_close(got, want, f"cuda at {n} tokens", 1e-4)
-    (runtime,) = _new_runtimes(before)
+    (runtime,) = new_runtimes(before)
     assert runtime.compiled.record.stamped_layers == 3 and runtime.graph_mode == "cuda"
