@@ -29,13 +29,12 @@ with ``bound_layers_1_up_weight`` a new graph input (``BOUND_WEIGHT``: ``layers.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import torch
 from torch import nn
 
-from ppcompile.analysis.module_stacks import innermost_module, restacked
+from ppcompile.analysis.copied_calls import innermost_module, replace_call, restacked
 from ppcompile.analysis.node_facts import BOUND_WEIGHT
 from ppcompile.layer_stamp_checks import Substitution
 from ppcompile.layer_stamps import (
@@ -155,14 +154,8 @@ def _expand(
                 for sub in pending.get((op, occurrence), ()):
                     _substitute(copy, sub, handle)
             env[sn] = copy
-    outs = [env[template.outputs[i]] for i in sorted(template.outputs)]
-    for user in list(node.users):
-        if user.op != "call_function" or user.target is not operator.getitem:
-            raise ValueError(f"pp_breakable: {user.name} reads the results of {node.name} other than by "
-                             "index")
-        user.replace_all_uses_with(outs[user.args[1]])  # type: ignore[index]
-        graph.erase_node(user)
-    graph.erase_node(node)
+    replace_call(graph, node, [env[template.outputs[i]] for i in sorted(template.outputs)],
+                 "stamps layers")
 
 
 def _path_of(handle: str) -> str:

@@ -32,12 +32,11 @@ After::
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import torch
 
-from ppcompile.analysis.module_stacks import innermost_module, restacked
+from ppcompile.analysis.copied_calls import innermost_module, replace_call, restacked
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.region_ops import region_copy, region_write_back
 
@@ -116,14 +115,8 @@ def _inline_call(
                 continue
             env[sn] = graph.node_copy(sn, lambda n: env[n])
             env[sn].meta = restacked(dict(sn.meta), traced_at, call_stack)
-    outs = [env[r] if isinstance(r, torch.fx.Node) else r for r in results]
-    for user in list(node.users):
-        if user.op != "call_function" or user.target is not operator.getitem:
-            raise ValueError(f"pp_breakable: {user.name} reads the results of {node.name} other than by "
-                             "index; ppcompile inlines regions only when each result is taken by index")
-        user.replace_all_uses_with(outs[user.args[1]])  # type: ignore[index]
-        graph.erase_node(user)
-    graph.erase_node(node)
+    replace_call(graph, node, [env[r] if isinstance(r, torch.fx.Node) else r for r in results],
+                 "inlines regions")
 
 
 def inline_nested_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -1,17 +1,18 @@
-"""Module stacks of traced nodes (Dynamo's ``meta["nn_module_stack"]``): the module a node was traced
-in, and a copied node's stack moved from the call it was traced for to the call it now stands for.
-
-Passes that copy traced ops for another call (``inline_nested_regions``, ``expand_stamped_layers``)
-restack the copies, so passes that name modules by path (``find_declared_regions``) tell the calls apart.
+"""What passes that copy traced ops in place of a call need (``inline_nested_regions``,
+``expand_stamped_layers``): the module a node was traced in, a copied node's module stack moved from
+the call it was traced for to the call it now stands for (so passes that name modules by path,
+``find_declared_regions``, tell the calls apart), and the call's results handed to its readers.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["innermost_module", "restacked"]
+__all__ = ["innermost_module", "replace_call", "restacked"]
 
 
 def _innermost(stack: dict[str, Any] | None) -> str | None:
@@ -42,3 +43,16 @@ def restacked(
         if path is not None and path.startswith(traced_at + "."):
             moved[key] = (called_at + path[len(traced_at):], entry[1])
     return {**meta, "nn_module_stack": moved}
+
+
+def replace_call(graph: torch.fx.Graph, call: torch.fx.Node, results: Sequence[Any], what: str) -> None:
+    """Hands ``results`` (the copied ops' values) to the readers of ``call``, each of which takes one
+    result by index, and erases ``call``; ``what`` names the pass's work for the error a reader of
+    another kind gets."""
+    for user in list(call.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise ValueError(f"pp_breakable: {user.name} reads the results of {call.name} other than by "
+                             f"index; ppcompile {what} only when each result is taken by index")
+        user.replace_all_uses_with(results[user.args[1]])  # type: ignore[index]
+        graph.erase_node(user)
+    graph.erase_node(call)
