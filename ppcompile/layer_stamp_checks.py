@@ -32,7 +32,8 @@ from ppcompile.torch_internals.tracing import (
     size_hint,
 )
 
-__all__ = ["Substitution", "compare_layers", "decode_arguments", "encode_arguments", "tensor_key"]
+__all__ = ["Substitution", "compare_layers", "decode_arguments", "encode_arguments", "named_state",
+           "tensor_key"]
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d_functional"})
 _CANNOT_RUN = "cannot run on"
@@ -116,6 +117,12 @@ def _value(text: str, tensors: Sequence[Any], at: list[int]) -> Any:
     return ast.literal_eval(text[1:])
 
 
+def named_state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """``layer``'s parameters and buffers by name, shared ones under each of their names."""
+    return dict([*layer.named_parameters(remove_duplicate=False),
+                 *layer.named_buffers(remove_duplicate=False)])
+
+
 def compare_layers(
     exemplar: nn.Module, layer: nn.Module, layout: str, inputs: Sequence[torch.Tensor], names: tuple[str, str]
 ) -> tuple[Substitution, ...] | str:
@@ -142,8 +149,7 @@ def _record(layer: nn.Module, layout: str, static: Sequence[tuple[Any, ...]], on
     """``layer``'s ops on meta tensors of the ``static`` sizes (real tensors it reads, its weights
     included, are read as meta copies), or on fake tensors of its own device, with the roles of their
     tensor arguments; run as if compiling, as Dynamo runs it."""
-    state = dict([*layer.named_parameters(remove_duplicate=False),
-                  *layer.named_buffers(remove_duplicate=False)])
+    state = named_state(layer)
     kind = "meta" if on_meta else "fake"
     try:
         with outside_fake_mode(), as_if_compiling(), contextlib.ExitStack() as stack:

@@ -53,7 +53,7 @@ from ppcompile.region_ops import region_write_back
 from ppcompile.torch_internals import every_dim_dynamic
 from ppcompile.torch_internals.tracing import trace_attempt
 
-__all__ = ["StampFacts", "install_stamps", "layer_of", "stamp_facts"]
+__all__ = ["StampFacts", "install_stamps", "layer_name", "layer_of", "stamp_facts"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,11 @@ def layer_of(handle: str) -> nn.Module:
     if layer is None:
         raise RuntimeError(f"ppcompile: stamped layer {handle!r} no longer exists")
     return layer
+
+
+def layer_name(handle: str) -> str:
+    """The stage's name of the layer ``handle`` names (``layers.5`` for ``g0/layers.5``)."""
+    return handle.partition("/")[2]
 
 
 def stamp_facts() -> tuple[dict[str, StampFacts], dict[str, str]]:
@@ -285,13 +290,13 @@ def _(inputs: list[torch.Tensor], handle: str, layout: str) -> torch.Tensor:
             log.debug("stamped layer %s", handle)
         else:
             state.rejected[handle] = why
-            log.info("trace_layers_once: %s is traced flat: %s", handle.partition("/")[2], why)
+            log.info("trace_layers_once: %s is traced flat: %s", layer_name(handle), why)
     return inputs[0].new_empty(0)
 
 
 def _check(state: _Trace, handle: str, layout: str, inputs: Sequence[torch.Tensor]) -> str | None:
     exemplar = state.exemplar[_kind(handle, layout)]
-    name, ex_name = handle.partition("/")[2], exemplar.partition("/")[2]
+    name, ex_name = layer_name(handle), layer_name(exemplar)
     if state.out_layout.get(exemplar, ("other", ""))[0] == "other":
         return f"{ex_name} returns something other than a tensor or a tuple or list of tensors"
     ex_inputs = state.inputs.get(exemplar, {})

@@ -32,14 +32,14 @@ import logging
 from typing import Any
 
 import torch
-from torch import nn
 
 from ppcompile.analysis.copied_calls import innermost_module, replace_call, restacked
 from ppcompile.analysis.node_facts import BOUND_WEIGHT
-from ppcompile.layer_stamp_checks import Substitution
+from ppcompile.layer_stamp_checks import Substitution, named_state
 from ppcompile.layer_stamps import (
     StampFacts,
     layer_input,
+    layer_name,
     layer_of,
     layer_output,
     stamp_facts,
@@ -61,7 +61,7 @@ _WRITE_BACK = region_write_back._opoverload
 
 
 class _Template:
-    """The exemplar's ops, in graph order, with what they read from outside."""
+    """The exemplar's ops, in graph order, what they read from outside, and its weights by identity."""
 
     def __init__(self, gm: torch.fx.GraphModule, handle: str) -> None:
         nodes = list(gm.graph.nodes)
@@ -71,6 +71,7 @@ class _Template:
         self.inputs = {int(n.args[2]): n for n in self.nodes if n.target is _INPUT}
         self.outputs = {int(n.args[2]): n.args[0] for n in self.nodes if n.target is _OUTPUT}
         self.path = innermost_module(self.nodes[0])  # a marker's module stack ends at the exemplar
+        self.weights = {id(t): name for name, t in named_state(layer_of(handle)).items()}
         self.outside = list(dict.fromkeys(  # in graph order: the bound inputs' order is deterministic
             a for n in self.nodes if n.target is not _INPUT for a in n.all_input_nodes if a not in inside))
 
@@ -83,12 +84,13 @@ def expand_stamped_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
         return PassResult(gm, modified=False)
     facts, refused = stamp_facts()
     probed = {str(n.args[1]) for n in gm.graph.find_nodes(op="call_function", target=_PROBE)}
-    ctx.traced_flat = {_path_of(h): why for h, why in refused.items() if h in probed}
+    ctx.traced_flat = {layer_name(h): why for h, why in refused.items() if h in probed}
     gm = torch.fx.GraphModule(gm, gm.graph.__deepcopy__())  # new inputs: not in the graph Dynamo keeps
     stamped = list(gm.graph.find_nodes(op="call_function", target=_STAMPED))
     input_copies = set(gm.graph.find_nodes(op="call_function", target=_INPUT))
     templates: dict[str, _Template] = {}
     index_of = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    first_op = next(n for n in gm.graph.nodes if n.op != "placeholder")  # bound inputs go before it
     for node in stamped:
         handle = str(node.args[1])
         if handle not in facts:
@@ -98,7 +100,7 @@ def expand_stamped_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
         fact = facts[handle]
         template = templates.get(fact.exemplar) or templates.setdefault(fact.exemplar,
                                                                          _Template(gm, fact.exemplar))
-        _expand(gm, ctx, node, handle, fact, template, index_of)
+        _expand(gm, ctx, node, handle, fact, template, index_of, first_op)
     for node in list(gm.graph.find_nodes(op="call_function", target=_WRITE_BACK)):
         if node.args[1] in input_copies:  # the exemplar's input copies go, and writing them back too
             gm.graph.erase_node(node)
@@ -117,11 +119,10 @@ def expand_stamped_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
 
 def _expand(
     gm: torch.fx.GraphModule, ctx: PassContext, node: torch.fx.Node, handle: str, fact: StampFacts,
-    template: _Template, index_of: dict[torch.fx.Node, int],
+    template: _Template, index_of: dict[torch.fx.Node, int], first_op: torch.fx.Node,
 ) -> None:
     graph = gm.graph
-    exemplar, layer = layer_of(fact.exemplar), layer_of(handle)
-    weights = _weights_by_identity(exemplar)
+    state = named_state(layer_of(handle))
     operands = list(node.args[0])  # type: ignore[arg-type]
     env: dict[torch.fx.Node, Any] = {template.inputs[i]: operands[i] for i in template.inputs}
     for outer in template.outside:
@@ -135,8 +136,9 @@ def _expand(
             raise ValueError(f"pp_breakable: the exemplar of {handle!r} reads {outer.format_node()}, a value "
                              f"from outside it other than its inputs and weights ({readers}); it cannot be "
                              "stamped")
-        name = weights.get(id(ctx.example_inputs[index_of[outer]]))
-        env[outer] = outer if name is None else _bind(gm, ctx, outer, name, _tensor(layer, name), handle)
+        name = template.weights.get(id(ctx.example_inputs[index_of[outer]]))
+        env[outer] = outer if name is None else _bind(gm, ctx, outer, name, state[name], handle,
+                                                           first_op)
     pending = _pending(fact.substitutions)
     call_stack = node.meta.get("nn_module_stack")  # ends at the stamped layer
     seen: dict[str, int] = {}
@@ -158,32 +160,15 @@ def _expand(
                  "stamps layers")
 
 
-def _path_of(handle: str) -> str:
-    return handle.partition("/")[2]
-
-
-def _weights_by_identity(layer: nn.Module) -> dict[int, str]:
-    named = [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]
-    return {id(t): name for name, t in named}
-
-
-def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
-    module_path, _, attr = name.rpartition(".")
-    owner = layer.get_submodule(module_path) if module_path else layer
-    value = getattr(owner, attr)
-    assert isinstance(value, torch.Tensor)
-    return value
-
-
 def _bind(gm: torch.fx.GraphModule, ctx: PassContext, like: torch.fx.Node, name: str, value: torch.Tensor,
-          handle: str) -> torch.fx.Node:
-    """A new graph input for weight ``name`` of layer ``handle`` (its value bound by the runtime)."""
-    last = list(gm.graph.find_nodes(op="placeholder"))[-1]
-    safe = "".join(c if c.isalnum() else "_" for c in f"bound_{_path_of(handle)}_{name}")
-    with gm.graph.inserting_after(last):
+          handle: str, first_op: torch.fx.Node) -> torch.fx.Node:
+    """A new graph input for weight ``name`` of layer ``handle`` (its value bound by the runtime), after
+    the others: before ``first_op``, the graph's first node that is no input."""
+    safe = "".join(c if c.isalnum() else "_" for c in f"bound_{layer_name(handle)}_{name}")
+    with gm.graph.inserting_before(first_op):
         node = gm.graph.placeholder(safe)
     node.meta = {k: v for k, v in like.meta.items() if k in ("example_value", "val", "tensor_meta")}
-    BOUND_WEIGHT.set(node, f"{_path_of(handle)}.{name}")
+    BOUND_WEIGHT.set(node, f"{layer_name(handle)}.{name}")
     ctx.example_inputs.append(value)
     ctx.bound_inputs.append(value)
     return node
