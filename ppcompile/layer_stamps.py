@@ -195,18 +195,8 @@ def _stamping_forward(handle: str, forward: Any) -> Any:
         stamp_probe(tensors, handle, layout)
         if not _stamp_ok(handle):
             return forward(self, *args, **kwargs)
-        outs = stamped_layer(tensors, handle, layout)
         kind, mask = _out_layout(handle, layout)
-        if kind == "T":
-            return outs[0]
-        values, at = [], 0
-        for m in mask:
-            if m == "T":
-                values.append(outs[at])
-                at += 1
-            else:
-                values.append(None)
-        return tuple(values) if kind == "tuple" else values
+        return _refill(kind, mask, stamped_layer(tensors, handle, layout))
 
     return stamped_forward
 
@@ -232,16 +222,20 @@ def _mark_outputs(handle: str, out: Any) -> Any:
     if type(out) not in (tuple, list) or not all(v is None or isinstance(v, torch.Tensor) for v in out):
         _note_out_layout(handle, "other", "")
         return out
-    mask = "".join("T" if isinstance(v, torch.Tensor) else "N" for v in out)
-    _note_out_layout(handle, type(out).__name__, mask)
-    marked, at = [], 0
-    for v in out:
-        if isinstance(v, torch.Tensor):
-            marked.append(layer_output(v, handle, at))
-            at += 1
-        else:
-            marked.append(None)
-    return type(out)(marked)
+    kind, mask = type(out).__name__, "".join("T" if isinstance(v, torch.Tensor) else "N" for v in out)
+    _note_out_layout(handle, kind, mask)
+    tensors = [v for v in out if isinstance(v, torch.Tensor)]
+    return _refill(kind, mask, [layer_output(t, handle, i) for i, t in enumerate(tensors)])
+
+
+def _refill(kind: str, mask: str, tensors: Sequence[torch.Tensor]) -> Any:
+    """A layer's output from its tensors: the tensor itself (``kind`` "T"), or a tuple or list (``kind``)
+    with a tensor where ``mask`` has "T" and None where it has "N"."""
+    if kind == "T":
+        return tensors[0]
+    left = iter(tensors)
+    values = [next(left) if m == "T" else None for m in mask]
+    return tuple(values) if kind == "tuple" else values
 
 
 # ------------------------------------------------------------------------------------------ ops
