@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -81,11 +82,7 @@ class SizeFn:
         self._const: int | None = int(expr) if not self._symbols and self._items is None else None
         self._linear: tuple[sympy.Symbol, int, int] | None = None
         if len(self._symbols) == 1 and self._items is None:
-            (s,) = self._symbols
-            poly = sympy.Poly(expr, s) if expr.is_polynomial(s) else None
-            if poly is not None and poly.degree() == 1 and all(x.is_integer for x in poly.all_coeffs()):
-                a, c = (int(x) for x in poly.all_coeffs())
-                self._linear = (s, a, c)  # s/2 has a rational coefficient: it goes to the interpreter
+            self._linear = _integer_linear(expr)
         self._cache: dict[tuple[int, ...], int] = {}
 
     @property
@@ -110,6 +107,19 @@ class SizeFn:
 
     def __repr__(self) -> str:
         return f"SizeFn({self._expr})"
+
+
+@functools.lru_cache(maxsize=4096)
+def _integer_linear(expr: sympy.Expr) -> tuple[sympy.Symbol, int, int] | None:
+    """``(s, a, c)`` when ``expr`` is ``a*s + c`` with integers ``a`` and ``c``, else None (``s/2`` has a
+    rational coefficient: it goes to the interpreter). Read off sympy's canonical form, without building
+    a polynomial: a stage's outputs repeat a handful of expressions hundreds of times."""
+    (s,) = expr.free_symbols
+    c, rest = expr.as_coeff_Add()
+    a, symbol = rest.as_coeff_Mul()
+    if symbol != s or not (a.is_Integer and c.is_Integer):
+        return None
+    return s, int(a), int(c)
 
 
 @contextlib.contextmanager
