@@ -4,7 +4,9 @@ Each layer's ``forward`` runs on fake tensors of static sizes (the traced call's
 that records every op the dispatcher sees, with each tensor argument named by its role: an input, the
 output of an earlier op, a weight of the layer (by name), or another tensor (by identity). Two layers
 may share one trace when their records agree everywhere except Python constants passed to custom ops
-(a global layer id handed to attention); those are returned as substitutions. Anything else that
+(a global layer id handed to attention), and their ops return the same sizes; the constants are
+returned as substitutions. A later layer's record replays the exemplar's: an op that matches the
+exemplar's at its place gives back what the exemplar's returned, without running a kernel. Anything else that
 differs (an op, a shape, a constant passed to a torch op, a branch taken on a layer's attribute) keeps
 the layer to a flat trace, with the first difference as the reason. Python effects that run no op (a
 layer appending to a list) are not seen.
@@ -30,6 +32,8 @@ from ppcompile.torch_internals.tracing import (
     real_tensors_allowed,
     shares_storage,
     size_hint,
+    tree_flatten,
+    tree_unflatten,
 )
 
 __all__ = ["Substitution", "compare_layers", "decode_arguments", "encode_arguments", "named_state",
@@ -38,7 +42,8 @@ __all__ = ["Substitution", "compare_layers", "decode_arguments", "encode_argumen
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d_functional"})
 _CANNOT_RUN = "cannot run on"
 _Record = tuple[tuple[str, tuple[Any, ...]], ...]
-_EXEMPLAR_RECORDS: weakref.WeakKeyDictionary[nn.Module, dict[Any, _Record | str]] = \
+_OP_FACTS: dict[Any, tuple[str, tuple[tuple[int, str], ...], bool]] = {}
+_EXEMPLAR_RECORDS: weakref.WeakKeyDictionary[nn.Module, dict[Any, _Recording | str]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -139,16 +144,34 @@ def compare_layers(
     theirs = cached[key]
     if isinstance(theirs, str):
         return f"{names[0]} {theirs}"
-    ours = _record(layer, layout, static, on_meta=theirs[0][0] == "meta")
+    on_meta = theirs.ops[0][0] == "meta"
+    ours = _record(layer, layout, static, on_meta, guide=theirs if on_meta else None)
     if isinstance(ours, str):
         return ours
-    return _diff(theirs, ours, names)
+    verdict = _diff(theirs, ours, names)
+    if not isinstance(verdict, str) and ours.left_guide:  # out of step, and yet alike: record it plainly
+        plain = _record(layer, layout, static, on_meta)
+        return plain if isinstance(plain, str) else _diff(theirs, plain, names)
+    return verdict
 
 
-def _record(layer: nn.Module, layout: str, static: Sequence[tuple[Any, ...]], on_meta: bool) -> _Record | str:
+@dataclasses.dataclass
+class _Recording:
+    """A layer's record (its weights, then each op with the roles of its arguments, then what it
+    returns), what each op returned (:meth:`_Recorder.returned`), and whether a replay left it."""
+
+    ops: _Record
+    returned: list[tuple[Any, list[Any]]]
+    left_guide: bool
+
+
+def _record(layer: nn.Module, layout: str, static: Sequence[tuple[Any, ...]], on_meta: bool,
+            guide: _Recording | None = None) -> _Recording | str:
     """``layer``'s ops on meta tensors of the ``static`` sizes (real tensors it reads, its weights
     included, are read as meta copies), or on fake tensors of its own device, with the roles of their
-    tensor arguments; run as if compiling, as Dynamo runs it."""
+    tensor arguments; run as if compiling, as Dynamo runs it. With a ``guide`` (the exemplar's recording
+    on meta tensors), an op that matches the guide's op at its place returns what that op returned,
+    without running (see :class:`_Recorder`)."""
     state = named_state(layer)
     kind = "meta" if on_meta else "fake"
     try:
@@ -158,7 +181,7 @@ def _record(layer: nn.Module, layout: str, static: Sequence[tuple[Any, ...]], on
                 stack.enter_context(real_tensors_allowed(mode))
             inputs = [torch.empty_strided(size, stride, dtype=dtype, device="meta" if on_meta else device)
                       for size, stride, dtype, device in static]
-            recorder = _Recorder(state, inputs, on_meta)
+            recorder = _Recorder(state, inputs, on_meta, guide)
             args, kwargs = decode_arguments(layout, inputs)
             with recorder:
                 out = type(layer).forward(layer, *args, **kwargs)
@@ -168,18 +191,33 @@ def _record(layer: nn.Module, layout: str, static: Sequence[tuple[Any, ...]], on
         return f"writes its input {min(recorder.written)} in place"
     weights = tuple((name, tuple(t.shape), t.stride(), t.dtype, t.device) for name, t in state.items())
     returned = ("return", tuple(recorder.role(v) for v in tree_leaves(out)))
-    return ((kind, weights), *recorder.ops, returned)
+    return _Recording(((kind, weights), *recorder.ops, returned), recorder.returned,
+                      left_guide=guide is not None and recorder.guide is None)
 
 
 class _Recorder(dispatch_mode()):  # type: ignore[misc]
-    def __init__(self, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor], on_meta: bool) -> None:
+    """Records each op with the roles of its arguments: an input, a weight (by name), the output of an
+    earlier op (by order), another tensor (by identity), or the value itself.
+
+    Replaying a ``guide``: while every op so far has matched the guide's op at its place (its name and
+    roles, or a custom op whose output sizes come out the same), an op that matches returns fresh meta
+    tensors of the sizes the guide's op returned (or the tensors it returned of its arguments) instead
+    of running. Ops whose output sizes depend on more than their roles (a custom op given another
+    constant) and torch ops that write an argument (``unsqueeze_`` changes sizes) always run. On the
+    first op that does not match, the guide is dropped and every later op runs."""
+
+    def __init__(self, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor], on_meta: bool,
+                 guide: _Recording | None) -> None:
         super().__init__()
         self.on_meta = on_meta
-        self.names: dict[int, tuple[str, Any]] = {id(x): ("in", i) for i, x in enumerate(inputs)}
-        self.names.update((id(t), ("w", name)) for name, t in state.items())
+        self.guide = guide
+        self.named: dict[tuple[str, Any], torch.Tensor] = {("in", i): x for i, x in enumerate(inputs)}
+        self.named.update((("w", name), t) for name, t in state.items())
+        self.names: dict[int, tuple[str, Any]] = {id(x): role for role, x in self.named.items()}
         self.meta: dict[int, torch.Tensor] = {}  # a real tensor's id -> the meta copy ops read instead
         self.alive: list[Any] = [*inputs, *state.values()]  # every tensor seen stays alive: no id is reused
         self.ops: list[tuple[str, tuple[Any, ...]]] = []
+        self.returned: list[tuple[Any, list[Any]]] = []
         self.inputs = list(inputs)
         self.written: set[int] = set()  # inputs an op wrote in place (through a view too)
 
@@ -201,7 +239,11 @@ class _Recorder(dispatch_mode()):  # type: ignore[misc]
 
     def role(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return self.names.get(id(value), ("other", id(value)))
+            role = self.names.get(id(value))
+            if role is None:
+                role = ("other", id(value))
+                self.named[role] = value
+            return role
         if isinstance(value, (list, tuple)):
             return tuple(self.role(v) for v in value)
         return value
@@ -209,21 +251,65 @@ class _Recorder(dispatch_mode()):  # type: ignore[misc]
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*self._meta(args), **self._meta(kwargs))
+        name, written, always_runs = _op_facts(func)
         roles = tuple(self.role(a) for a in args) + tuple((k, self.role(v)) for k, v in kwargs.items())
-        self.ops.append((str(func.name()), roles))
-        for position, name in written_arguments(func):
-            value = args[position] if position < len(args) else kwargs.get(name)
-            if isinstance(value, torch.Tensor):
-                self.written.update(i for i, x in enumerate(self.inputs) if shares_storage(value, x))
-        for t in tree_leaves(out):
+        step = len(self.ops)
+        self.ops.append((name, roles))
+        theirs = self.guide.ops[step + 1] if self.guide is not None and step + 2 < len(self.guide.ops) \
+            else None
+        if theirs == (name, roles) and not always_runs:
+            spec, leaves = self.guide.returned[step]  # type: ignore[union-attr]
+            out = tree_unflatten([self._replayed(v) for v in leaves], spec)
+        else:
+            out = func(*self._meta(args), **self._meta(kwargs))
+            for position, argument in written:
+                value = args[position] if position < len(args) else kwargs.get(argument)
+                if isinstance(value, torch.Tensor):
+                    self.written.update(i for i, x in enumerate(self.inputs) if shares_storage(value, x))
+        leaves, spec = tree_flatten(out)
+        returned = [self._returned(v) for v in leaves]
+        self.returned.append((spec, returned))
+        if self.guide is not None and (theirs is None or theirs[0] != name
+                                       or returned != self.guide.returned[step][1]):
+            self.guide = None
+        for t in leaves:
             if isinstance(t, torch.Tensor) and id(t) not in self.names:
-                self.names[id(t)] = ("v", len(self.alive))
+                self.names[id(t)] = ("v", len(self.named))
+                self.named[("v", len(self.named))] = t
                 self.alive.append(t)
         return out
 
+    def _returned(self, value: Any) -> Any:
+        """What an op returned, as a replay gives it back: a tensor it was given (by role), a new
+        tensor (by sizes, strides and dtype) or a value."""
+        if not isinstance(value, torch.Tensor):
+            return ("value", value)
+        if id(value) in self.names:
+            return ("named", self.names[id(value)])
+        return ("new", tuple(value.shape), value.stride(), value.dtype)
 
-def _diff(theirs: _Record, ours: _Record, names: tuple[str, str]) -> tuple[Substitution, ...] | str:
+    def _replayed(self, returned: Any) -> Any:
+        kind, *rest = returned
+        if kind == "value":
+            return rest[0]
+        if kind == "named":
+            return self.named[rest[0]]
+        shape, stride, dtype = rest
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+def _op_facts(func: Any) -> tuple[str, tuple[tuple[int, str], ...], bool]:
+    """An op's name, the arguments it writes, and whether a replay must run it (a torch op that writes
+    an argument may change its sizes)."""
+    facts = _OP_FACTS.get(func)
+    if facts is None:
+        name, written = str(func.name()), written_arguments(func)
+        facts = _OP_FACTS[func] = (name, written, bool(written) and name.split("::")[0] in _TORCH_NAMESPACES)
+    return facts
+
+
+def _diff(exemplar: _Recording, layer: _Recording, names: tuple[str, str]) -> tuple[Substitution, ...] | str:
+    theirs, ours = exemplar.ops, layer.ops
     if theirs[0] != ours[0]:
         mine, other = dict((w[0], w[1:]) for w in ours[0][1]), dict((w[0], w[1:]) for w in theirs[0][1])
         name = next((n for n in {**mine, **other} if mine.get(n) != other.get(n)), "?")
@@ -232,23 +318,29 @@ def _diff(theirs: _Record, ours: _Record, names: tuple[str, str]) -> tuple[Subst
         return f"it runs {len(ours) - 2} ops, {names[0]} {len(theirs) - 2}"
     subs: list[Substitution] = []
     seen: dict[str, int] = {}
-    for (op, a), (op2, b) in zip(theirs, ours):
+    for step, ((op, a), (op2, b)) in enumerate(zip(theirs[1:], ours[1:])):
         occurrence = seen[op] = seen.get(op, -1) + 1
         if op != op2:
             return f"it calls {op2} where {names[0]} calls {op}"
-        if a == b:
-            continue
-        if len(a) != len(b):
+        if a != b and len(a) != len(b):
             return f"its call of {op} takes {len(b)} arguments, {names[0]}'s {len(a)}"
         namespace = op.split("::")[0]
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b) if a != b else ()):
             if x == y:
                 continue
             plain = all(type(v) in (int, float, bool, str) for v in (x, y))
             if op == "return" or namespace in _TORCH_NAMESPACES or not plain:
                 return f"its call of {op} differs from {names[0]}'s in argument {i} ({y!r} vs {x!r})"
             subs.append(Substitution(op, occurrence, i, _argument_name(op, i), x, y))
+        got, want = (r.returned[step][1] if op != "return" else None for r in (layer, exemplar))
+        if got != want:  # the copy of the exemplar's ops would carry the exemplar's sizes
+            return f"its call of {op} returns {_sizes(got)}, {names[0]}'s {_sizes(want)}"
     return tuple(subs)
+
+
+def _sizes(returned: list[Any] | None) -> str:
+    assert returned is not None
+    return ", ".join(str(list(r[1])) if r[0] == "new" else repr(r[1]) for r in returned)
 
 
 def _weight(meta: Any) -> str:

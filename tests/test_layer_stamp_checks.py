@@ -22,6 +22,30 @@ def _(x: torch.Tensor, layer: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("ppcompile_test::rows", mutates_args=())
+def rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x[:n].clone()
+
+
+@rows.register_fake
+def _(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(n, x.shape[1])
+
+
+SIZE_RUNS = [0]  # how often counted's size function ran
+
+
+@torch.library.custom_op("ppcompile_test::counted", mutates_args=())
+def counted(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@counted.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    SIZE_RUNS[0] += 1
+    return torch.empty_like(x)
+
+
 class Layer(nn.Module):
     def __init__(self, index: int, kind: str = "custom") -> None:
         super().__init__()
@@ -36,6 +60,13 @@ class Layer(nn.Module):
             return y * self.index
         if self.kind == "branch":
             return y.relu() if self.index % 2 else y
+        if self.kind == "rows":  # a custom op whose output size is the constant it takes
+            return torch.ops.ppcompile_test.rows(y, self.index) + 1
+        if self.kind == "resize":  # sizes changed in place, then read
+            y.unsqueeze_(0)
+            return y.reshape(y.shape[1], -1) * 2
+        if self.kind == "counted":
+            return torch.ops.ppcompile_test.counted(y)
         if self.kind == "host":
             return y * float(y.sum())  # reads a value: meta tensors have none
         x.add_(1.0)
@@ -86,3 +117,25 @@ def test_weights_must_match_in_shape_and_strides() -> None:
         "[4, 4] (strides [4, 1], torch.float32, cpu)"
     c.register_buffer("extra", torch.zeros(2))
     assert _compare(a, c) == "its weight 'extra' is [2] (strides [1], torch.float32, cpu), layers.0's missing"
+
+
+def test_a_custom_op_whose_sizes_follow_its_constant_is_refused() -> None:
+    """A stamped layer is the exemplar's ops with the constants substituted; the exemplar's sizes would
+    stay in the copy."""
+    assert _compare(Layer(3, "rows"), Layer(2, "rows")) == \
+        "its call of ppcompile_test::rows returns [2, 4], layers.0's [3, 4]"
+
+
+def test_a_later_layer_replays_the_exemplars_ops_without_running_them() -> None:
+    exemplar = Layer(0, "counted")
+    SIZE_RUNS[0] = 0
+    for _ in range(3):
+        assert _compare(exemplar, Layer(0, "counted")) == ()
+    assert SIZE_RUNS[0] == 1  # the exemplar's run, recorded once
+
+
+def test_ops_that_change_sizes_in_place_run_in_a_replay() -> None:
+    """Replayed without running, ``unsqueeze_`` would leave the layer's sizes behind the exemplar's."""
+    exemplar = Layer(0, "resize")
+    assert _compare(exemplar, Layer(0, "resize")) == ()
+    assert _compare(exemplar, Layer(0, "resize")) == ()

@@ -19,7 +19,7 @@ from ppcompile.torch_internals.lookup import attr, lookup
 
 __all__ = [
     "as_if_compiling", "dispatch_mode", "outside_fake_mode", "real_tensors_allowed", "shares_storage",
-    "size_hint", "trace_attempt",
+    "size_hint", "trace_attempt", "tree_flatten", "tree_unflatten",
 ]
 
 _WHY = "to stamp repeated layers out"
@@ -80,3 +80,15 @@ def size_hint(size: Any) -> int:
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are views of one storage (meta tensors included, which have no data)."""
     return bool(lookup("torch._C", "_is_alias_of", _WHY)(a, b))
+
+
+def tree_flatten(value: Any) -> tuple[list[Any], Any]:
+    """An op's output (a tensor, or nested tuples and lists of them) as its leaves and the spec
+    :func:`tree_unflatten` rebuilds it from."""
+    flat: tuple[list[Any], Any] = lookup("torch.utils._pytree", "tree_flatten", _WHY)(value)
+    return flat
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The value :func:`tree_flatten` took apart, with ``leaves`` in its leaves' places."""
+    return lookup("torch.utils._pytree", "tree_unflatten", _WHY)(leaves, spec)

@@ -15,6 +15,8 @@ from ppcompile.torch_internals.tracing import (
     shares_storage,
     size_hint,
     trace_attempt,
+    tree_flatten,
+    tree_unflatten,
 )
 
 
@@ -75,3 +77,11 @@ def test_as_if_compiling_and_the_dispatch_mode() -> None:
     with Names():
         torch.empty(2, device="meta").relu()
     assert "aten::relu" in seen
+
+
+def test_an_op_output_flattens_and_rebuilds() -> None:
+    a, b = torch.empty(1), torch.empty(2)
+    leaves, spec = tree_flatten((a, [b, 3]))
+    assert leaves == [a, b, 3]
+    rebuilt = tree_unflatten([b, a, 4], spec)
+    assert rebuilt[0] is b and rebuilt[1][0] is a and rebuilt[1][1] == 4 and isinstance(rebuilt[1], list)
