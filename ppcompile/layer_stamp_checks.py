@@ -41,6 +41,7 @@ __all__ = ["Substitution", "compare_layers", "decode_arguments", "encode_argumen
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d_functional"})
 _CANNOT_RUN = "cannot run on"
+_SCALARS = (int, float, bool)
 _Record = tuple[tuple[str, tuple[Any, ...]], ...]
 _OP_FACTS: dict[Any, tuple[str, tuple[tuple[int, str], ...], bool]] = {}
 _EXEMPLAR_RECORDS: weakref.WeakKeyDictionary[nn.Module, dict[Any, _Recording | str]] = \
@@ -68,31 +69,38 @@ def tensor_key(x: torch.Tensor) -> tuple[Any, ...]:
 
 def encode_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, list[torch.Tensor]] | None:
     """``forward``'s arguments as one layout string and their tensors, in order: ``"T|=None|(T,T)|k:=2"``
-    is ``f(t, None, (a, b), k=2)``. None if an argument is neither a tensor, None, an int, float, bool or
-    str, nor a plain tuple or list of those."""
+    is ``f(t, None, (a, b), k=2)``. None if an argument is neither a tensor, None, an int, float or bool,
+    nor a plain tuple or list of those. Dynamo traces this on every stamped call: written flat, it
+    inlines no helper for the common arguments."""
+    keys = [""] * len(args)
+    if kwargs:
+        keys += [f"{k}:" for k in kwargs]
     tokens: list[str] = []
     tensors: list[torch.Tensor] = []
-    for key, value in [*((None, a) for a in args), *kwargs.items()]:
-        if type(value) in (tuple, list):
-            inner = [_token(v, tensors) for v in value]
-            if any(t is None for t in inner):
-                return None
-            text = ("(" if type(value) is tuple else "[") + ",".join(t or "" for t in inner) + ")"
-        elif (one := _token(value, tensors)) is not None:
-            text = one
+    for key, value in zip(keys, [*args, *kwargs.values()]):
+        if isinstance(value, torch.Tensor):
+            tokens.append(key + "T")
+            tensors.append(value)
+        elif value is None or type(value) in _SCALARS:
+            tokens.append(key + "=" + repr(value))
+        elif type(value) in (tuple, list) and (text := _sequence_token(value, tensors)) is not None:
+            tokens.append(key + text)
         else:
             return None
-        tokens.append(text if key is None else f"{key}:{text}")
     return "|".join(tokens), tensors
 
 
-def _token(value: Any, tensors: list[torch.Tensor]) -> str | None:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return "T"
-    if value is None or type(value) in (int, float, bool):
-        return "=" + repr(value)
-    return None
+def _sequence_token(value: tuple[Any, ...] | list[Any], tensors: list[torch.Tensor]) -> str | None:
+    inner: list[str] = []
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            inner.append("T")
+            tensors.append(v)
+        elif v is None or type(v) in _SCALARS:
+            inner.append("=" + repr(v))
+        else:
+            return None
+    return ("(" if type(value) is tuple else "[") + ",".join(inner) + ")"
 
 
 def decode_arguments(layout: str, tensors: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:

@@ -162,22 +162,20 @@ def _note_out_layout(handle: str, kind: str, mask: str) -> bool:
 
 
 @torch.compiler.assume_constant_result
-def _stamp_ok(handle: str) -> bool:
+def _stamped_output(handle: str, layout: str) -> tuple[str, str]:
+    """How the exemplar of stamped layer ``handle`` laid its output out (:func:`_refill`'s ``kind`` and
+    ``mask``); ``("", "")`` when the check kept ``handle`` flat."""
     state = _trace()
-    return state is not None and handle in state.stamped
-
-
-@torch.compiler.assume_constant_result
-def _out_layout(handle: str, layout: str) -> tuple[str, str]:
-    state = _trace()
-    assert state is not None
+    if state is None or handle not in state.stamped:
+        return "", ""
     return state.out_layout[state.exemplar[_kind(handle, layout)]]
 
 
 def _stamping_forward(handle: str, forward: Any) -> Any:
     def stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        tracing = torch.compiler.is_compiling() and not every_dim_dynamic()
-        encoded = encode_arguments(args, kwargs) if tracing else None
+        if not torch.compiler.is_compiling() or every_dim_dynamic():
+            return forward(self, *args, **kwargs)
+        encoded = encode_arguments(args, kwargs)
         if encoded is None or not encoded[1]:
             return forward(self, *args, **kwargs)
         layout, tensors = encoded
@@ -192,11 +190,16 @@ def _stamping_forward(handle: str, forward: Any) -> Any:
             for x, copy in zip(tensors, marked):  # the layer may have written its input's copy
                 region_write_back(x, copy)
             return _mark_outputs(handle, out)
-        stamp_probe(tensors, handle, layout)
-        if not _stamp_ok(handle):
+        _PROBE(tensors, handle, layout)
+        kind, mask = _stamped_output(handle, layout)
+        if not kind:
             return forward(self, *args, **kwargs)
-        kind, mask = _out_layout(handle, layout)
-        return _refill(kind, mask, stamped_layer(tensors, handle, layout))
+        outs = _STAMPED(tensors, handle, layout)
+        if kind == "T":
+            return outs[0]
+        if "N" not in mask:  # no None in the output: built here, where Dynamo would inline _refill
+            return tuple(outs) if kind == "tuple" else list(outs)
+        return _refill(kind, mask, outs)
 
     return stamped_forward
 
@@ -324,3 +327,9 @@ def _(inputs: list[torch.Tensor], handle: str, layout: str) -> list[torch.Tensor
     outputs = state.outputs[state.exemplar[_kind(handle, layout)]]
     return [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
             for _, o in sorted(outputs.items())]
+
+
+# Called as OpOverloads in traced code: Dynamo puts one straight in the graph, where it would trace a
+# CustomOpDef's Python ``__call__``.
+_PROBE = torch.ops.ppcompile.stamp_probe.default
+_STAMPED = torch.ops.ppcompile.stamped_layer.default

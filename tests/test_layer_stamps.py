@@ -195,6 +195,38 @@ class _PlainStack(_Stack):
         return x
 
 
+class _Pair(_Gate):
+    """Returns its output in a container: a tuple or a list, with or without a None in it."""
+
+    shape = ("tuple", False)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        kind, with_none = self.shape
+        out = [x @ self.w, x * 0.5] if not with_none else [x @ self.w, None]
+        return tuple(out) if kind == "tuple" else out
+
+
+class _PairStack(_Stack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            out = layer(x)
+            if type(out).__name__ != _Pair.shape[0]:  # a stamped layer gives back the container it made
+                raise TypeError(f"{type(out).__name__} returned")
+            first, second = out
+            x = torch.tanh(first) if second is None else torch.tanh(first + second)
+        return x
+
+
+@pytest.mark.parametrize("shape", [("tuple", False), ("list", False), ("tuple", True), ("list", True)])
+def test_a_layer_returning_a_tuple_or_a_list_is_stamped(shape: tuple[str, bool],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_Pair, "shape", shape)
+    stack = ppcompile.trace_layers_once(_PairStack(_Pair), stamp=True)
+    before = ppcompile.stage_runtimes()
+    _compile_and_compare(stack, _PairStack(_Pair))
+    assert [rt.compiled.record.stamped_layers for rt in new_runtimes(before)] == [3]
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_other_backends_run_stamped_layers_as_their_own_forward(backend: str) -> None:
     """Without ppcompile's backend the stamped op runs the layer's code: the same results."""
