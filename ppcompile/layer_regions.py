@@ -114,8 +114,9 @@ def trace_layers_once(
 ) -> nn.Module:
     """Makes Dynamo trace each distinct repeated layer of ``stage`` once (see the module docstring).
 
-    Apply before ``torch.compile``; changes ``stage`` in place (instance ``forward`` attributes only) and
-    returns it. A second call does nothing. Logs the plan at INFO; :func:`layer_region_plans` returns it.
+    Apply before ``torch.compile``; changes ``stage`` in place (instance ``forward`` attributes, and a
+    stamped layer's handle in ``_ppcompile_stamp``) and returns it. A second call does nothing. Logs
+    the plan at INFO; :func:`layer_region_plans` returns it.
     ``min_region_modules``: the fewest modules with parameters of their own a region's subtree holds.
     ``stamp``: stamp whole layers out instead of making regions (``ppcompile.layer_stamps``); per-layer
     constants passed to custom ops (global layer ids) do not stop it.

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 _LAYERS: dict[str, weakref.ref[nn.Module]] = {}  # handle -> layer
 _GROUP_OF: dict[str, str] = {}  # handle -> its group's name
 _GROUPS = 0
+_HANDLE = "_ppcompile_stamp"  # a stamped layer's attribute: its handle
 
 
 @dataclasses.dataclass
@@ -128,7 +129,8 @@ def install_stamps(names: Sequence[str], modules: Sequence[nn.Module]) -> str:
         handle = f"{group}/{name}"
         _LAYERS[handle] = weakref.ref(module)
         _GROUP_OF[handle] = group
-        module.forward = types.MethodType(_stamping_forward(handle, type(module).forward), module)
+        setattr(module, _HANDLE, handle)
+        module.forward = types.MethodType(_stamped_forward, module)
     return group
 
 
@@ -138,7 +140,7 @@ def _role(handle: str, layout: str) -> str:
     """``"exemplar"`` for the first layer of its group called with ``layout`` in this trace, ``"stamp"``
     for the others, ``"flat"`` for the exemplar called again (or outside a trace)."""
     state = _trace()
-    if state is None:
+    if state is None or every_dim_dynamic():
         return "flat"
     kind = _kind(handle, layout)
     if kind not in state.exemplar:
@@ -171,37 +173,38 @@ def _stamped_output(handle: str, layout: str) -> tuple[str, str]:
     return state.out_layout[state.exemplar[_kind(handle, layout)]]
 
 
-def _stamping_forward(handle: str, forward: Any) -> Any:
-    def stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling() or every_dim_dynamic():
-            return forward(self, *args, **kwargs)
-        encoded = encode_arguments(args, kwargs)
-        if encoded is None or not encoded[1]:
-            return forward(self, *args, **kwargs)
-        layout, tensors = encoded
-        role = _role(handle, layout)
-        if role == "flat":
-            return forward(self, *args, **kwargs)
-        if role == "exemplar":
-            marked = [layer_input(x, handle, i) for i, x in enumerate(tensors)]
-            copies = iter(marked)
-            out = forward(self, *_swap_tensors(args, copies), **dict(zip(kwargs, _swap_tensors(
-                tuple(kwargs.values()), copies))))
-            for x, copy in zip(tensors, marked):  # the layer may have written its input's copy
-                region_write_back(x, copy)
-            return _mark_outputs(handle, out)
-        _PROBE(tensors, handle, layout)
-        kind, mask = _stamped_output(handle, layout)
-        if not kind:
-            return forward(self, *args, **kwargs)
-        outs = _STAMPED(tensors, handle, layout)
-        if kind == "T":
-            return outs[0]
-        if "N" not in mask:  # no None in the output: built here, where Dynamo would inline _refill
-            return tuple(outs) if kind == "tuple" else list(outs)
-        return _refill(kind, mask, outs)
-
-    return stamped_forward
+def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Every stamped layer's ``forward``: one function for all of them, so Dynamo guards each layer on
+    its handle alone."""
+    forward = type(self).forward
+    if not torch.compiler.is_compiling():
+        return forward(self, *args, **kwargs)
+    handle: str = getattr(self, _HANDLE)
+    encoded = encode_arguments(args, kwargs)
+    if encoded is None or not encoded[1]:
+        return forward(self, *args, **kwargs)
+    layout, tensors = encoded
+    role = _role(handle, layout)
+    if role == "flat":
+        return forward(self, *args, **kwargs)
+    if role == "exemplar":
+        marked = [layer_input(x, handle, i) for i, x in enumerate(tensors)]
+        copies = iter(marked)
+        out = forward(self, *_swap_tensors(args, copies), **dict(zip(kwargs, _swap_tensors(
+            tuple(kwargs.values()), copies))))
+        for x, copy in zip(tensors, marked):  # the layer may have written its input's copy
+            region_write_back(x, copy)
+        return _mark_outputs(handle, out)
+    _PROBE(tensors, handle, layout)
+    kind, mask = _stamped_output(handle, layout)
+    if not kind:
+        return forward(self, *args, **kwargs)
+    outs = _STAMPED(tensors, handle, layout)
+    if kind == "T":
+        return outs[0]
+    if "N" not in mask:  # no None in the output: built here, where Dynamo would inline _refill
+        return tuple(outs) if kind == "tuple" else list(outs)
+    return _refill(kind, mask, outs)
 
 
 def _swap_tensors(values: tuple[Any, ...], new: Any) -> list[Any]:
