@@ -7,12 +7,12 @@ the call it was traced for to the call it now stands for (so passes that name mo
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["innermost_module", "replace_call", "restacked"]
+__all__ = ["copy_node", "innermost_module", "replace_call", "restacked"]
 
 
 def _innermost(stack: dict[str, Any] | None) -> str | None:
@@ -56,3 +56,29 @@ def replace_call(graph: torch.fx.Graph, call: torch.fx.Node, results: Sequence[A
         user.replace_all_uses_with(results[user.args[1]])  # type: ignore[index]
         graph.erase_node(user)
     graph.erase_node(call)
+
+
+def copy_node(graph: torch.fx.Graph, node: torch.fx.Node, lookup: Callable[[torch.fx.Node], Any],
+              meta: dict[str, Any]) -> torch.fx.Node:
+    """``node`` copied into ``graph`` at its insertion point, each node it reads replaced by
+    ``lookup(node)``, with ``meta``. ``Graph.node_copy`` does the same through a pytree walk of the
+    arguments and a copy of the meta the caller replaces: these passes copy thousands of nodes."""
+    copy = graph.create_node(node.op, node.target, _mapped(node.args, lookup), _mapped(node.kwargs, lookup),
+                             node.name, node.type)
+    copy.meta = meta
+    return copy
+
+
+def _mapped(value: Any, lookup: Callable[[torch.fx.Node], Any]) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return lookup(value)
+    if isinstance(value, tuple):
+        items = [_mapped(v, lookup) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # a named tuple
+    if isinstance(value, list):
+        return [_mapped(v, lookup) for v in value]
+    if isinstance(value, dict):
+        return {k: _mapped(v, lookup) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_mapped(value.start, lookup), _mapped(value.stop, lookup), _mapped(value.step, lookup))
+    return value

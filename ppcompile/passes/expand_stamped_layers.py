@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ppcompile.analysis.copied_calls import innermost_module, replace_call, restacked
+from ppcompile.analysis.copied_calls import copy_node, innermost_module, replace_call, restacked
 from ppcompile.analysis.node_facts import BOUND_WEIGHT
 from ppcompile.layer_stamp_checks import Substitution, named_state
 from ppcompile.layer_stamps import (
@@ -49,6 +49,7 @@ from ppcompile.layer_stamps import (
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.region_ops import region_write_back
 from ppcompile.torch_internals import OpOverload, OpOverloadPacket
+from ppcompile.torch_internals.tracing import lazy_graph_module
 
 __all__ = ["expand_stamped_layers"]
 
@@ -85,7 +86,7 @@ def expand_stamped_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
     facts, refused = stamp_facts()
     probed = {str(n.args[1]) for n in gm.graph.find_nodes(op="call_function", target=_PROBE)}
     ctx.traced_flat = {layer_name(h): why for h, why in refused.items() if h in probed}
-    gm = torch.fx.GraphModule(gm, gm.graph.__deepcopy__())  # new inputs: not in the graph Dynamo keeps
+    gm = lazy_graph_module(gm, gm.graph.__deepcopy__())  # new inputs: not in the graph Dynamo keeps
     stamped = list(gm.graph.find_nodes(op="call_function", target=_STAMPED))
     input_copies = set(gm.graph.find_nodes(op="call_function", target=_INPUT))
     templates: dict[str, _Template] = {}
@@ -149,8 +150,8 @@ def _expand(
             if sn.target is _OUTPUT:
                 env[sn] = env[sn.args[0]]
                 continue
-            copy = graph.node_copy(sn, lambda n: env.get(n, n))
-            copy.meta = restacked(dict(sn.meta), template.path, call_stack)
+            copy = copy_node(graph, sn, lambda n: env.get(n, n), restacked(dict(sn.meta), template.path,
+                                                                            call_stack))
             if (op := _custom_op_name(sn)) is not None:
                 occurrence = seen[op] = seen.get(op, -1) + 1
                 for sub in pending.get((op, occurrence), ()):

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ppcompile.analysis.copied_calls import innermost_module, replace_call, restacked
+from ppcompile.analysis.copied_calls import copy_node, innermost_module, replace_call, restacked
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.region_ops import region_copy, region_write_back
 
@@ -113,8 +113,7 @@ def _inline_call(
             if sn.op == "call_function" and sn.target is _REGION_COPY:  # a copy for Dynamo only
                 env[sn] = env[sn.args[0]]
                 continue
-            env[sn] = graph.node_copy(sn, lambda n: env[n])
-            env[sn].meta = restacked(dict(sn.meta), traced_at, call_stack)
+            env[sn] = copy_node(graph, sn, env.__getitem__, restacked(dict(sn.meta), traced_at, call_stack))
     replace_call(graph, node, [env[r] if isinstance(r, torch.fx.Node) else r for r in results],
                  "inlines regions")
 

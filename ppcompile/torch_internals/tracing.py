@@ -18,8 +18,8 @@ from ppcompile.torch_internals import shape_env_hints, symint_shape_env
 from ppcompile.torch_internals.lookup import attr, lookup
 
 __all__ = [
-    "as_if_compiling", "dispatch_mode", "outside_fake_mode", "real_tensors_allowed", "shares_storage",
-    "size_hint", "trace_attempt", "tree_flatten", "tree_unflatten",
+    "as_if_compiling", "dispatch_mode", "lazy_graph_module", "outside_fake_mode", "real_tensors_allowed",
+    "shares_storage", "size_hint", "trace_attempt", "tree_flatten", "tree_unflatten",
 ]
 
 _WHY = "to stamp repeated layers out"
@@ -92,3 +92,11 @@ def tree_flatten(value: Any) -> tuple[list[Any], Any]:
 def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
     """The value :func:`tree_flatten` took apart, with ``leaves`` in its leaves' places."""
     return lookup("torch.utils._pytree", "tree_unflatten", _WHY)(leaves, spec)
+
+
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A ``GraphModule`` of ``graph`` whose Python code is generated when first read or run, not at
+    each ``recompile()``: a pass's output that the next passes only read the graph of."""
+    cls = lookup("torch.fx._lazy_graph_module", "_LazyGraphModule", "to defer a graph's code generation")
+    gm: torch.fx.GraphModule = cls(root, graph)
+    return gm

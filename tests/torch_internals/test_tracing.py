@@ -10,6 +10,7 @@ from ppcompile.torch_internals import static_fake_mode
 from ppcompile.torch_internals.tracing import (
     as_if_compiling,
     dispatch_mode,
+    lazy_graph_module,
     outside_fake_mode,
     real_tensors_allowed,
     shares_storage,
@@ -85,3 +86,14 @@ def test_an_op_output_flattens_and_rebuilds() -> None:
     assert leaves == [a, b, 3]
     rebuilt = tree_unflatten([b, a, 4], spec)
     assert rebuilt[0] is b and rebuilt[1][0] is a and rebuilt[1][1] == 4 and isinstance(rebuilt[1], list)
+
+
+def test_a_lazy_graph_module_writes_its_code_when_run() -> None:
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    graph = gm.graph.__deepcopy__()
+    (add,) = [n for n in graph.nodes if n.op == "call_function"]
+    add.args = (add.args[0], 2)
+    lazy = lazy_graph_module(gm, graph)
+    lazy.recompile()
+    assert torch.equal(lazy(torch.zeros(2)), torch.full((2,), 2.0))
+    assert "+ 2" in lazy.code
