@@ -57,8 +57,8 @@ RESULTS = ROOT / "bench" / "results" / "cpu" / "compile_time.json"
 CFG = ModelConfig()  # hidden 64, MLP 128, 4/2 heads x 16: narrow, so small forwards are overhead-bound
 PP = 3  # a middle stage: proxies in and out
 REGIONS = " + regions"  # the stage's layers marked as nested compile regions by hand (traced once)
-ONCE = " + once"  # ppcompile.trace_layers_once on the unchanged stage
-STAMPED = " + stamped"  # ppcompile.trace_layers_once(stage, stamp=True): layers stamped from the first
+ONCE = " + once"  # ppcompile.trace_layers_once(stage) on the unchanged stage: layers stamped from the first
+ONCE_REGIONS = " + once (regions)"  # trace_layers_once(stage, stamp=False): alike modules as nested regions
 WARM_START = " + warm start"  # ppcompile.warm_compile instead of torch.compile (its cache dir: the env's)
 COMPILERS = ("eager", "inductor", "inductor" + REGIONS)
 NO_DEDUP = " (no dedup)"  # the Inductor row with sharing off: what compiling every segment costs
@@ -118,12 +118,12 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None, capture: s
     stage = make_stage(cfg, 1, PP)
     if compiler.endswith(ONCE):
         ppcompile.trace_layers_once(stage)
-    if compiler.endswith(STAMPED):
-        ppcompile.trace_layers_once(stage, stamp=True)
+    if compiler.endswith(ONCE_REGIONS):
+        ppcompile.trace_layers_once(stage, stamp=False)
     # Capture is the graph path's: its CPU emulation here ("auto" would serve at the live size, no capture).
     warm_start = compiler.endswith(WARM_START)
     segment_compiler = compiler.removesuffix(WARM_START).removesuffix(NO_DEDUP).removesuffix(REGIONS) \
-        .removesuffix(ONCE).removesuffix(STAMPED)
+        .removesuffix(ONCE).removesuffix(ONCE_REGIONS)
     options: dict[str, Any] = {"segment_compiler": segment_compiler, "graph_mode": "emulate",
                                "capture": capture}
     if compiler.endswith(NO_DEDUP):

@@ -2,9 +2,10 @@
 
 A middle PP stage of the reference decoder (hidden 64, its own code unchanged) with 4, 32 and 80 layers,
 eager and Inductor segments, each flat (Dynamo traces every layer) and with
-``ppcompile.trace_layers_once``. Every row is a fresh Python process that compiles the stage and makes
-its first call at 16 tokens: Dynamo's trace, ppcompile's passes, the segment compiles, the capture and
-one forward. The breakdown comes from the stage's compile record and capture records.
+``ppcompile.trace_layers_once`` (stamped layers, its default, and regions with ``stamp=False``). Every
+row is a fresh Python process that compiles the stage and makes its first call at 16 tokens: Dynamo's
+trace, ppcompile's passes, the segment compiles, the capture and one forward. The breakdown comes from
+the stage's compile record and capture records.
 
 Capture is ``capture="lazy"`` by default (``--capture all`` for the whole ladder): the first call
 captures its own bucket. The issue bounds capture with lazy and budgeted capture, and on CPU a
@@ -38,19 +39,20 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.compile_time import NO_DISK_CACHES, ONCE, STAMPED, WARM_START, run_child
+from bench.compile_time import NO_DISK_CACHES, ONCE, ONCE_REGIONS, WARM_START, run_child
 from bench.report import describe_machine, machine_info, markdown_table, save_json, update_markdown_section
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "bench" / "results" / "cpu" / "startup.json"
-COMPILERS = ("eager", "eager" + ONCE, "eager" + STAMPED, "inductor", "inductor" + ONCE, "inductor" + STAMPED)
+COMPILERS = ("eager", "eager" + ONCE, "eager" + ONCE_REGIONS, "inductor", "inductor" + ONCE,
+             "inductor" + ONCE_REGIONS)
 RESTARTS = ("eager", "inductor")  # ppcompile.warm_compile: flat traces (aot_compile refuses a patched layer)
 # cold, most layers vs fewest
-TARGETS = {"eager" + ONCE: 1.5, "inductor" + ONCE: 1.3, "eager" + STAMPED: 1.5, "inductor" + STAMPED: 1.3}
+TARGETS = {"eager" + ONCE: 1.5, "inductor" + ONCE: 1.3}
 WARM_TARGET = 0.25  # warm first call / cold first call
 MOE_EXPERTS = 4  # the MoE rows: the same stage with MoE layers of this many experts, cold only
-MOE_COMPILERS = ("eager", "eager" + ONCE, "eager" + STAMPED)
+MOE_COMPILERS = ("eager", "eager" + ONCE, "eager" + ONCE_REGIONS)
 
 
 def _child(layers: int, compiler: str, env: dict[str, str], max_tokens: int | None,
@@ -115,8 +117,9 @@ def render(results: dict[str, Any]) -> str:
            f"Middle stage of the reference decoder, hidden 64, {ladder}, {policy}, first call at 16 "
            "tokens, one "
            "fresh process per row. `+ once`: `ppcompile.trace_layers_once(stage)` before `torch.compile` "
-           "(the model's code unchanged); `+ stamped`: `ppcompile.trace_layers_once(stage, stamp=True)` "
-           "(Dynamo traces the first layer; each other one is one op, checked and expanded by the backend). "
+           "(the model's code unchanged; Dynamo traces the first layer, each other one is one op, checked "
+           "and expanded by the backend); `+ once (regions)`: `ppcompile.trace_layers_once(stage, "
+           "stamp=False)` (alike modules big enough to pay become nested compile regions). "
            "Cold: Inductor's on-disk caches off (best of "
            f"{results['repeats']}); warm: caches on, after one process of the same stage filled them. "
            "`+ warm start`: `ppcompile.warm_compile(stage, options)` instead of `torch.compile`, in a "
@@ -133,8 +136,8 @@ def render(results: dict[str, Any]) -> str:
                                "read back", "passes", "segment compile", "capture", "first call"], table))
     if moe:
         out += ["", f"The same stage with MoE layers ({moe[0]['experts']} experts each; with `+ once` each "
-                "layer's MoE block is a region; with `+ stamped` each layer after the first is stamped), "
-                "cold:", ""]
+                "layer after the first is stamped; with `+ once (regions)` each layer's MoE block is a "
+                "region), cold:", ""]
         moe_keys = ("dynamo_trace", "passes", "capture", "total")
         table = [[r["layers"], r["compiler"], f"{r['region_calls']} / {r['region_traces']}",
                   r.get("stamped_layers", 0), *(_fmt(r.get(k)) for k in moe_keys)] for r in moe]

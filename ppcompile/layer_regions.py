@@ -1,13 +1,15 @@
 """Trace each repeated layer of a stage once: ``ppcompile.trace_layers_once(stage)``.
 
-Dynamo traces a stage op by op, so its trace grows with the layer count. ``trace_layers_once`` wraps the
-repeated modules of the stage (its decoder layers, or the parts of them that are alike in every layer) as
-``torch.compiler.nested_compile_region`` calls: Dynamo traces the first call and stamps its subgraph out
-for the others, and the backend's first pass inlines every call again, so the split, the buckets and the
-results are those of a flat trace. The model's code is not changed; each wrapped module gets an instance
-``forward`` that calls its class's ``forward`` through the region.
+Dynamo traces a stage op by op, so its trace grows with the layer count. By default
+``trace_layers_once`` stamps each group of alike layers out from the first one Dynamo traces
+(``ppcompile.layer_stamps``): per-layer constants passed to custom ops (global layer ids) do not stop
+it. With ``stamp=False`` it wraps the repeated modules of the stage (its decoder layers, or the parts of
+them that are alike in every layer) as ``torch.compiler.nested_compile_region`` calls instead: Dynamo
+traces the first call and stamps its subgraph out for the others, and the backend's first pass inlines
+every call again. Either way the split, the buckets and the results are those of a flat trace, and the
+model's code is not changed; each layer (or wrapped module) gets an instance ``forward``.
 
-What decides where the regions go (the traps a region must avoid):
+What decides where the regions go with ``stamp=False`` (the traps a region must avoid):
 
 - **Per-layer constants.** Before torch stamps a region's subgraph out for another layer it re-checks
   the guards of the first trace, a Python constant read inside (a global layer id handed to an attention
@@ -32,9 +34,6 @@ What decides where the regions go (the traps a region must avoid):
 - **Regions inside regions.** Repeated modules inside a region (an MoE block's experts) are left to it:
   its one trace covers them. Wrapped too, each layer's inner modules would route through a wrapper of
   their own, whose closure torch guards: the outer region would be traced again for every layer.
-
-``trace_layers_once(stage, stamp=True)`` makes no regions: each group's layers are stamped out from the
-first one traced (``ppcompile.layer_stamps``), which per-layer constants passed to custom ops do not stop.
 
 Under ``torch.compile(dynamic=True)`` the wrapped modules trace flat: torch 2.13's Dynamo fails inside
 regions when every dim is dynamic. Arguments that differ per call (a constant passed to ``forward``)
@@ -110,16 +109,16 @@ class LayerRegionPlan:
 
 
 def trace_layers_once(
-    stage: nn.Module, *, min_region_modules: int = DEFAULT_MIN_REGION_MODULES, stamp: bool = False
+    stage: nn.Module, *, stamp: bool = True, min_region_modules: int = DEFAULT_MIN_REGION_MODULES
 ) -> nn.Module:
     """Makes Dynamo trace each distinct repeated layer of ``stage`` once (see the module docstring).
 
     Apply before ``torch.compile``; changes ``stage`` in place (instance ``forward`` attributes, and a
     stamped layer's handle in ``_ppcompile_stamp``) and returns it. A second call does nothing. Logs
     the plan at INFO; :func:`layer_region_plans` returns it.
-    ``min_region_modules``: the fewest modules with parameters of their own a region's subtree holds.
-    ``stamp``: stamp whole layers out instead of making regions (``ppcompile.layer_stamps``); per-layer
-    constants passed to custom ops (global layer ids) do not stop it.
+    ``stamp``: stamp whole layers out (``ppcompile.layer_stamps``); False makes regions instead.
+    ``min_region_modules`` (regions only): the fewest modules with parameters of their own a region's
+    subtree holds.
     """
     if not isinstance(stage, nn.Module):
         raise TypeError(f"trace_layers_once: expected an nn.Module, got {type(stage).__name__}")

@@ -1,6 +1,6 @@
 """Stamped layers: Dynamo traces one layer of a group; each other layer reaches the graph as one op.
 
-``trace_layers_once(stage, stamp=True)`` gives every layer of a group of alike layers an instance
+``trace_layers_once(stage)`` gives every layer of a group of alike layers an instance
 ``forward`` that, while Dynamo traces, does one of three things:
 
 - **exemplar** (the group's first layer called in the trace with this layout of arguments): runs its own

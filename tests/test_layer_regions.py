@@ -43,7 +43,7 @@ def _run_reference(name: str, once: bool, min_modules: int = DEFAULT_MIN_REGION_
     cfg = REFERENCE_CONFIGS[name].replace(num_layers=9)
     stage = make_stage(cfg, 1, 3)
     if once:
-        assert ppcompile.trace_layers_once(stage, min_region_modules=min_modules) is stage
+        assert ppcompile.trace_layers_once(stage, stamp=False, min_region_modules=min_modules) is stage
     return run_middle_stage(stage, cfg, OPTIONS, COUNTS)
 
 
@@ -65,7 +65,7 @@ def test_reference_stage_traced_once_equals_eager_with_the_flat_split(name: str)
 
 def test_the_plan_keeps_per_layer_constants_out_of_regions() -> None:
     cfg = REFERENCE_CONFIGS["small-dense"].replace(num_layers=6)
-    stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 2), min_region_modules=1)
+    stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 2), stamp=False, min_region_modules=1)
     (plan,) = ppcompile.layer_region_plans(stage) or ()
     assert plan.layers == ("layers.3", "layers.4", "layers.5")
     assert {site.path for site in plan.regions} >= {"input_layernorm", "post_attention_layernorm", "mlp"}
@@ -73,14 +73,14 @@ def test_the_plan_keeps_per_layer_constants_out_of_regions() -> None:
     assert "'layer_id' differs between layers (3 in layers.3, 4 in layers.4)" in flat[""]
     assert "self_attn" in flat and "self_attn" not in {site.path for site in plan.regions}
     assert "traced flat (whole layer): 'layer_id' differs" in plan.describe()
-    assert ppcompile.trace_layers_once(stage) is stage  # a second call does nothing
+    assert ppcompile.trace_layers_once(stage, stamp=False) is stage  # a second call does nothing
     assert ppcompile.layer_region_plans(stage) == (plan,)
 
 
 def test_modules_repeated_inside_a_region_are_left_to_it(caplog: pytest.LogCaptureFixture) -> None:
     cfg = REFERENCE_CONFIGS["small-moe"].replace(num_layers=9)
     with caplog.at_level(logging.INFO, logger="ppcompile.layer_regions"):
-        stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 3))
+        stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 3), stamp=False)
     plans = ppcompile.layer_region_plans(stage) or ()
     assert [plan.layers for plan in plans] == [("layers.3", "layers.4", "layers.5")]  # none for experts
     assert "mlp" in {site.path for site in plans[0].regions}
@@ -98,7 +98,7 @@ def test_modules_too_small_to_pay_for_a_region_are_traced_flat() -> None:
     """A region call costs Dynamo about what tracing a few small modules does: the reference decoder's
     norms (1 module with parameters) and MLP (2) stay flat, its MoE block (router and experts) is one."""
     dense = make_stage(REFERENCE_CONFIGS["small-dense"].replace(num_layers=6), 1, 2)
-    ppcompile.trace_layers_once(dense)
+    ppcompile.trace_layers_once(dense, stamp=False)
     (plan,) = ppcompile.layer_region_plans(dense) or ()
     assert plan.regions == ()
     flat = dict(plan.flat)
@@ -108,7 +108,7 @@ def test_modules_too_small_to_pay_for_a_region_are_traced_flat() -> None:
     assert "traced flat mlp: too small" in plan.describe()
     assert "forward" not in vars(dense.layers[3].mlp)
     moe = make_stage(REFERENCE_CONFIGS["small-moe"].replace(num_layers=6), 1, 2)
-    ppcompile.trace_layers_once(moe)
+    ppcompile.trace_layers_once(moe, stamp=False)
     (plan,) = ppcompile.layer_region_plans(moe) or ()
     assert [site.path for site in plan.regions] == ["mlp"]
     assert "forward" in vars(moe.layers[3].mlp)
@@ -156,7 +156,7 @@ class _Stack(nn.Module):
 
 def test_aliasing_and_in_place_regions_trace_and_equal_eager() -> None:
     stack, untouched = _Stack(), _Stack()
-    ppcompile.trace_layers_once(stack, min_region_modules=1)
+    ppcompile.trace_layers_once(stack, stamp=False, min_region_modules=1)
     x = torch.randn(3, 8)
     for g, w in zip(stack(x), untouched(x)):  # eagerly, the wrapped modules behave as before
         torch.testing.assert_close(g, w, atol=0, rtol=0)
@@ -203,7 +203,8 @@ def test_bad_input_is_a_clear_error() -> None:
     for bad in (0, -1, 2.0, True):
         stack = _Stack()
         with pytest.raises(ValueError, match=f"min_region_modules must be an int >= 1, got {bad!r}"):
-            ppcompile.trace_layers_once(stack, min_region_modules=bad)  # type: ignore[arg-type]
+            ppcompile.trace_layers_once(stack, stamp=False,
+                                        min_region_modules=bad)  # type: ignore[arg-type]
         assert ppcompile.layer_region_plans(stack) is None  # refused before anything changed
 
 
@@ -230,7 +231,7 @@ class _DictStack(nn.Module):
 
 
 def test_arguments_it_does_not_flatten_are_traced_flat_and_still_equal_eager() -> None:
-    stack = ppcompile.trace_layers_once(_DictStack(), min_region_modules=1)
+    stack = ppcompile.trace_layers_once(_DictStack(), stamp=False, min_region_modules=1)
     compiled = torch.compile(stack, backend="pp_breakable", options=OPTIONS)
     x = torch.randn(5, 4)
     with torch.inference_mode():
@@ -244,7 +245,7 @@ def test_hf_stages_traced_once_equal_eager(family: str) -> None:
     from ppcompile.models.hf import HFStage, tiny_causal_lm
 
     stage = HFStage(tiny_causal_lm(family, num_hidden_layers=4).eval(), 0, 1)
-    ppcompile.trace_layers_once(stage, min_region_modules=1)  # their norms and MLPs too
+    ppcompile.trace_layers_once(stage, stamp=False, min_region_modules=1)  # their norms and MLPs too
     (plan,) = ppcompile.layer_region_plans(stage) or ()
     assert plan.regions, plan.describe()
     before = ppcompile.stage_runtimes()
@@ -266,7 +267,8 @@ def test_an_hf_llama_layer_holds_no_part_big_enough_for_a_region() -> None:
     pytest.importorskip("transformers")
     from ppcompile.models.hf import HFStage, tiny_causal_lm
 
-    stage = ppcompile.trace_layers_once(HFStage(tiny_causal_lm("llama", num_hidden_layers=4).eval(), 0, 1))
+    stage = ppcompile.trace_layers_once(HFStage(tiny_causal_lm("llama", num_hidden_layers=4).eval(), 0, 1),
+                                        stamp=False)
     (plan,) = ppcompile.layer_region_plans(stage) or ()
     assert plan.regions == ()
     flat = dict(plan.flat)
@@ -275,7 +277,7 @@ def test_an_hf_llama_layer_holds_no_part_big_enough_for_a_region() -> None:
 
 
 def test_dynamic_true_traces_flat_instead_of_failing_inside_regions() -> None:
-    stack, untouched = ppcompile.trace_layers_once(_Stack(), min_region_modules=1), _Stack()
+    stack, untouched = ppcompile.trace_layers_once(_Stack(), stamp=False, min_region_modules=1), _Stack()
     before = ppcompile.stage_runtimes()
     compiled = torch.compile(stack, backend="pp_breakable", dynamic=True, options=OPTIONS)
     for n in (3, 9):

@@ -237,7 +237,7 @@ def test_other_backends_run_stamped_layers_as_their_own_forward(backend: str) ->
 
 
 def test_plan_says_the_group_is_stamped() -> None:
-    stack = ppcompile.trace_layers_once(_PlainStack(_Plain), stamp=True)
+    stack = ppcompile.trace_layers_once(_PlainStack(_Plain))  # stamping is the default
     (plan,) = ppcompile.layer_region_plans(stack) or ()
     assert plan.stamped and plan.regions == () and len(plan.layers) == 4
     assert "stamped: the first layer called is traced" in plan.describe()

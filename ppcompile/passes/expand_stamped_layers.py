@@ -1,6 +1,6 @@
 """Pass ``expand_stamped_layers``: copy the exemplar's ops for each stamped layer (``layer_stamps``).
 
-A layer that ``trace_layers_once(stage, stamp=True)`` stamped reaches the stage graph as one
+A layer that ``trace_layers_once(stage)`` stamped reaches the stage graph as one
 ``ppcompile::stamped_layer`` call (after the ``ppcompile::stamp_probe`` that checked it); its exemplar
 (the first layer of its group called) was traced op by op between ``ppcompile::layer_input`` and
 ``ppcompile::layer_output`` markers. Each call becomes a copy of the exemplar's ops, wired to the call's

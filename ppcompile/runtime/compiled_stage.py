@@ -47,7 +47,7 @@ class CompileRecord:
     # Nested compile regions (``trace_layers_once``): subgraph -> the calls it served. Fewer subgraphs
     # than calls is what tracing once saved; one subgraph per call means torch traced every call.
     region_traces: Mapping[str, int] = dataclasses.field(default_factory=lambda: _EMPTY_COUNTS)
-    stamped_layers: int = 0  # layers stamped from an exemplar (``trace_layers_once(stamp=True)``)
+    stamped_layers: int = 0  # layers stamped from an exemplar (``trace_layers_once``)
     # The layers of stamped groups whose check failed, traced flat: layer name -> why.
     traced_flat: Mapping[str, str] = dataclasses.field(default_factory=lambda: _EMPTY_REASONS)
 

@@ -21,7 +21,8 @@ def test_the_report_says_which_targets_are_met() -> None:
     # torch's caches alone at 0.9x cold; a warm_compile restart at 0.2x cold (met) for eager segments,
     # 0.5x (not met) for Inductor's.
     cold = {"eager": (1.0, 3.0), "eager + once": (1.0, 1.4), "inductor": (2.0, 4.0),
-            "inductor + once": (2.0, 3.0), "eager + stamped": (1.0, 1.6), "inductor + stamped": (2.0, 2.4)}
+            "inductor + once": (2.0, 3.0), "eager + once (regions)": (1.0, 1.6),
+            "inductor + once (regions)": (2.0, 2.4)}
     rows = []
     for compiler in COMPILERS:
         lo, hi = cold[compiler]
@@ -34,10 +35,11 @@ def test_the_report_says_which_targets_are_met() -> None:
             rows += [_row(layers, compiler + WARM_START, "store", total * 1.1),
                      {**_row(layers, compiler + WARM_START, "restart", total * restart), "dynamo_trace": None,
                       "read_back": 0.05}]
-    moe = [{**_row(n, c, "cold", t), "experts": 4, "region_calls": n if c.endswith("once") else 0,
-            "stamped_layers": n - 1 if c.endswith("stamped") else 0}
-           for n, c, t in ((4, "eager", 2.0), (4, "eager + once", 1.8), (4, "eager + stamped", 1.6),
-                           (32, "eager", 8.0), (32, "eager + once", 2.6), (32, "eager + stamped", 2.0))]
+    moe = [{**_row(n, c, "cold", t), "experts": 4, "region_calls": n if c.endswith("(regions)") else 0,
+            "stamped_layers": n - 1 if c.endswith("once") else 0}
+           for n, c, t in ((4, "eager", 2.0), (4, "eager + once (regions)", 1.8), (4, "eager + once", 1.6),
+                           (32, "eager", 8.0), (32, "eager + once (regions)", 2.6),
+                           (32, "eager + once", 2.0))]
     text = render({"info": machine_info("cpu", threads=1), "max_tokens": 64, "repeats": 1, "capture": "lazy",
                    "rows": rows + moe})
     assert text.startswith("## Startup\n")
@@ -48,19 +50,19 @@ def test_the_report_says_which_targets_are_met() -> None:
     assert "| 32 | inductor + once | cold |" in text
     assert "- cold, eager + once segments, 32 vs 4 layers: 1.40x (target <= 1.5x: met)" in text
     assert "- cold, inductor + once segments, 32 vs 4 layers: 1.50x (target <= 1.3x: not met)" in text
+    assert "- cold, inductor + once (regions) segments, 32 vs 4 layers: 1.20x; Dynamo" in text  # no target
     assert "- cold, eager segments, 32 vs 4 layers: 3.00x; Dynamo trace 3.00x" in text  # no target
     assert "- warm vs cold, inductor segments, 32 layers, torch's caches alone: 0.90x." in text
     assert "- restart vs cold, eager segments, 32 layers: 0.20x (target <= 0.25x: met)." in text
     assert "- restart vs cold, inductor segments, 4 layers: 0.50x (target <= 0.25x: not met)." in text
     assert "| 32 | eager + warm start | restart | 0 / 0 | 0 | n/a | 0.05 s |" in text
-    assert "- cold, eager + stamped segments, 32 vs 4 layers: 1.60x (target <= 1.5x: not met)" in text
-    assert "- cold, inductor + stamped segments, 32 vs 4 layers: 1.20x (target <= 1.3x: met)" in text
     assert ("- where a restart spends its first call, eager segments, 32 layers: read back 0.05 s, "
             "passes 0.01 s, segment compile 0.00 s, capture 0.15 s, the rest" in text)
     assert "The same stage with MoE layers (4 experts each" in text
-    assert "| 32 | eager + once | 32 / 0 | 0 | 1.30 s |" in text  # the MoE table, not the dense one
-    assert "| 32 | eager + stamped | 0 / 0 | 31 | 1.00 s |" in text
-    assert "- cold, MoE stage, eager + once segments, 32 vs 4 layers: 1.44x (target <= 1.5x: met)." in text
+    assert "| 32 | eager + once (regions) | 32 / 0 | 0 | 1.30 s |" in text  # the MoE table, not the dense one
+    assert "| 32 | eager + once | 0 / 0 | 31 | 1.00 s |" in text
+    assert "- cold, MoE stage, eager + once segments, 32 vs 4 layers: 1.25x (target <= 1.5x: met)." in text
     assert "- cold, MoE stage, eager segments, 32 vs 4 layers: 4.00x." in text
-    assert "- MoE stage, 32 layers, eager + once vs flat: Dynamo trace 0.33x, first call 0.33x." in text
-    assert "- MoE stage, 32 layers, eager + stamped vs flat: Dynamo trace 0.25x, first call 0.25x." in text
+    assert "- MoE stage, 32 layers, eager + once (regions) vs flat: Dynamo trace 0.33x, first call 0.33x." \
+        in text
+    assert "- MoE stage, 32 layers, eager + once vs flat: Dynamo trace 0.25x, first call 0.25x." in text

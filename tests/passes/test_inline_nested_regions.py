@@ -195,7 +195,7 @@ def test_each_inlined_copy_is_stacked_under_its_own_call_only() -> None:
     """Every module on an inlined node's stack is its own call's: the layer the region was traced in (and
     its ancestors above the region) must not stay on the other calls' copies, or passes that name a
     region by its outermost module (declared token-local layers, library regions) mix layers up."""
-    m = ppcompile.trace_layers_once(IdStack(3), min_region_modules=1)  # a 2-linear MLP region
+    m = ppcompile.trace_layers_once(IdStack(3), stamp=False, min_region_modules=1)  # a 2-linear MLP region
     gm, inputs = _graph(m, torch.randn(5, H))
     assert len(_hops(gm)) == 3
     out = inline_nested_regions(gm, make_ctx(gm, inputs)).graph_module
