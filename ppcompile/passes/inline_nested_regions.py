@@ -136,14 +136,17 @@ def inline_nested_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
             _inline_call(gm, node, sub, lifted, origin)
             name = str(node.args[1])
             calls[name] = calls.get(name, 0) + 1
-    for stray in list(gm.graph.find_nodes(op="call_function", target=_REGION_COPY)):
-        stray.replace_all_uses_with(stray.args[0])
+    strays = [*gm.graph.find_nodes(op="call_function", target=_REGION_COPY),
+              *gm.graph.find_nodes(op="call_function", target=_REGION_WRITE_BACK)]
+    for stray in strays:  # copies of a call traced flat, and their write-backs
+        if stray.target is _REGION_COPY:
+            stray.replace_all_uses_with(stray.args[0])
         gm.graph.erase_node(stray)
-    for write_back in list(gm.graph.find_nodes(op="call_function", target=_REGION_WRITE_BACK)):
-        gm.graph.erase_node(write_back)
     ctx.region_traces = calls
     if not calls:
-        return PassResult(gm, modified=False)
+        if strays:
+            gm.recompile()
+        return PassResult(gm, modified=bool(strays))
     for ref in list(gm.graph.find_nodes(op="get_attr")):
         if not ref.users:
             gm.graph.erase_node(ref)

@@ -208,3 +208,22 @@ def test_each_inlined_copy_is_stacked_under_its_own_call_only() -> None:
         assert len(layers) == 1, (node.name, paths)  # one layer index on the whole stack
         called += layers
     assert called == ["0", "0", "1", "1", "2", "2"]  # each copy under its own call's layer
+
+
+def test_copies_of_a_call_traced_flat_go_and_the_graph_is_modified() -> None:
+    """Under dynamic=True the layers trace flat, yet their region copies reach the graph."""
+    from ppcompile.region_ops import region_copy, region_write_back
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        c = region_copy(t)
+        out = torch.relu(c) + 1
+        region_write_back(t, c)
+        return out
+
+    gm, inputs = dynamo_graph(f, torch.randn(4, H))
+    want = gm(*inputs)
+    result = inline_nested_regions(gm, make_ctx(gm, inputs))
+    assert result.modified
+    code = result.graph_module.code
+    assert "region_copy" not in code and "region_write_back" not in code
+    torch.testing.assert_close(result.graph_module(*inputs), want)
