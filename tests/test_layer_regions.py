@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from reference_runs import new_runtimes, run_middle_stage
+from reference_runs import new_runtimes, run_hf_stage, run_middle_stage
 from stage_checks import assert_close
 from torch import nn
 
@@ -248,16 +248,7 @@ def test_hf_stages_traced_once_equal_eager(family: str) -> None:
     ppcompile.trace_layers_once(stage, stamp=False, min_region_modules=1)  # their norms and MLPs too
     (plan,) = ppcompile.layer_region_plans(stage) or ()
     assert plan.regions, plan.describe()
-    before = ppcompile.stage_runtimes()
-    compiled = torch.compile(stage, backend="pp_breakable", options=OPTIONS)
-    for n in COUNTS:
-        ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
-        positions = torch.arange(n)
-        if n == COUNTS[0]:
-            ppcompile.mark_token_dynamic(ids, positions)
-        with torch.inference_mode():
-            assert_close(compiled(ids, positions).clone(), stage(ids, positions), f"{family} at {n}", 1e-4)
-    traces = [rt.compiled.record.region_traces for rt in new_runtimes(before)]
+    traces = [rt.compiled.record.region_traces for rt in run_hf_stage(stage, OPTIONS, COUNTS, family)]
     assert traces and all(sum(t.values()) >= 4 for t in traces)
     if region_traces_reused():
         assert all(len(t) < sum(t.values()) for t in traces), traces

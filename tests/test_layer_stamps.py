@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from reference_runs import new_runtimes, run_middle_stage
+from reference_runs import new_runtimes, run_hf_stage, run_middle_stage
 from stage_checks import assert_close
 from torch import nn
 
@@ -270,16 +270,8 @@ def test_hf_stages_stamped_equal_eager(family: str, stamped: int) -> None:
 
     stage = HFStage(tiny_causal_lm(family, num_hidden_layers=4).eval(), 0, 1)
     ppcompile.trace_layers_once(stage, stamp=True)
-    before = ppcompile.stage_runtimes()
-    compiled = torch.compile(stage, backend="pp_breakable", options=OPTIONS)
-    for n in COUNTS:
-        ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
-        positions = torch.arange(n)
-        if n == COUNTS[0]:
-            ppcompile.mark_token_dynamic(ids, positions)
-        with torch.inference_mode():
-            assert_close(compiled(ids, positions).clone(), stage(ids, positions), f"{family} at {n}", 1e-4)
-    assert [rt.compiled.record.stamped_layers for rt in new_runtimes(before)] == [stamped]
+    runtimes = run_hf_stage(stage, OPTIONS, COUNTS, family)
+    assert [rt.compiled.record.stamped_layers for rt in runtimes] == [stamped]
 
 
 def test_warm_compile_of_a_stamped_stage_compiles_as_torch_compile_does(
