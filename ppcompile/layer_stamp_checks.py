@@ -330,24 +330,25 @@ def _diff(exemplar: _Recording, layer: _Recording, names: tuple[str, str]) -> tu
         occurrence = seen[op] = seen.get(op, -1) + 1
         if op != op2:
             return f"it calls {op2} where {names[0]} calls {op}"
-        if a != b and len(a) != len(b):
-            return f"its call of {op} takes {len(b)} arguments, {names[0]}'s {len(a)}"
-        namespace = op.split("::")[0]
-        for i, (x, y) in enumerate(zip(a, b) if a != b else ()):
-            if x == y:
-                continue
-            plain = all(type(v) in (int, float, bool, str) for v in (x, y))
-            if op == "return" or namespace in _TORCH_NAMESPACES or not plain:
-                return f"its call of {op} differs from {names[0]}'s in argument {i} ({y!r} vs {x!r})"
-            subs.append(Substitution(op, occurrence, i, _argument_name(op, i), x, y))
-        got, want = (r.returned[step][1] if op != "return" else None for r in (layer, exemplar))
-        if got != want:  # the copy of the exemplar's ops would carry the exemplar's sizes
-            return f"its call of {op} returns {_sizes(got)}, {names[0]}'s {_sizes(want)}"
+        if a != b:
+            if len(a) != len(b):
+                return f"its call of {op} takes {len(b)} arguments, {names[0]}'s {len(a)}"
+            namespace = op.split("::")[0]
+            for i, (x, y) in enumerate(zip(a, b)):
+                if x == y:
+                    continue
+                plain = all(type(v) in (int, float, bool, str) for v in (x, y))
+                if op == "return" or namespace in _TORCH_NAMESPACES or not plain:
+                    return f"its call of {op} differs from {names[0]}'s in argument {i} ({y!r} vs {x!r})"
+                subs.append(Substitution(op, occurrence, i, _argument_name(op, i), x, y))
+        if op != "return" and layer.returned[step][1] != exemplar.returned[step][1]:
+            # the copy of the exemplar's ops would carry the exemplar's sizes
+            return f"its call of {op} returns {_sizes(layer.returned[step][1])}, {names[0]}'s " \
+                f"{_sizes(exemplar.returned[step][1])}"
     return tuple(subs)
 
 
-def _sizes(returned: list[Any] | None) -> str:
-    assert returned is not None
+def _sizes(returned: list[Any]) -> str:
     return ", ".join(str(list(r[1])) if r[0] == "new" else repr(r[1]) for r in returned)
 
 
