@@ -65,6 +65,9 @@ def shape_exprs(value: torch.Tensor) -> tuple[sympy.Expr, ...]:
     return tuple(size_expr(s) for s in value.shape)
 
 
+_MAX_SIZE_FNS = 65536
+
+
 class SizeFn:
     """Evaluates a size expression for concrete symbol values, quickly.
 
@@ -75,7 +78,19 @@ class SizeFn:
 
     __slots__ = ("_cache", "_const", "_expr", "_items", "_linear", "_symbols")
 
-    def __init__(self, expr: sympy.Basic) -> None:
+    def __new__(cls, expr: sympy.Basic) -> SizeFn:
+        # One per expression: a stage's layers repeat a handful of size expressions thousands of times,
+        # and reading an expression's symbols is sympy's slowest step here.
+        fn = _SIZE_FNS.get(expr)
+        if fn is None:
+            fn = super().__new__(cls)
+            fn._setup(expr)
+            if len(_SIZE_FNS) >= _MAX_SIZE_FNS:
+                _SIZE_FNS.clear()
+            _SIZE_FNS[expr] = fn
+        return fn
+
+    def _setup(self, expr: sympy.Basic) -> None:
         self._expr = expr
         self._symbols = tuple(sorted(expr.free_symbols, key=str))
         self._items = tuple(SizeFn(e) for e in expr) if isinstance(expr, sympy.Tuple) else None
@@ -107,6 +122,9 @@ class SizeFn:
 
     def __repr__(self) -> str:
         return f"SizeFn({self._expr})"
+
+
+_SIZE_FNS: dict[sympy.Basic, SizeFn] = {}
 
 
 @functools.lru_cache(maxsize=4096)

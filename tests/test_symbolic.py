@@ -54,6 +54,12 @@ def test_general_expression_is_memoised() -> None:
     assert square({S0: 3}) == 9 and square._cache == {(3,): 9}
 
 
+def test_one_evaluator_per_expression() -> None:
+    assert SizeFn(2 * S0 + 1) is SizeFn(2 * S0 + 1)
+    assert SizeFn(2 * S0 + 1) is not SizeFn(2 * S0 + 2)
+    assert SizeFn(sympy.Tuple(S0, 4)) is SizeFn(sympy.Tuple(S0, 4))
+
+
 def test_size_expr_of_an_int() -> None:
     assert size_expr(5) == sympy.Integer(5)
 
