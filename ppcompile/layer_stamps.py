@@ -86,6 +86,7 @@ class _Trace:
 
 
 _TRACE: _Trace | None = None
+_ALL_TENSORS = tuple("|".join("T" * n) for n in range(16))  # encode_arguments's layout of n tensors
 
 
 def _trace() -> _Trace | None:
@@ -180,7 +181,12 @@ def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.compiler.is_compiling():
         return forward(self, *args, **kwargs)
     handle: str = getattr(self, _HANDLE)
-    encoded = encode_arguments(args, kwargs)
+    if not kwargs and len(args) < len(_ALL_TENSORS) and all(map(torch.is_tensor, args)):
+        # An engine's call (positional tensors): Dynamo folds this test and the lookup, where it would
+        # trace encode_arguments's loop instruction by instruction.
+        encoded: tuple[str, list[torch.Tensor]] | None = (_ALL_TENSORS[len(args)], list(args))
+    else:
+        encoded = encode_arguments(args, kwargs)
     if encoded is None or not encoded[1]:
         return forward(self, *args, **kwargs)
     layout, tensors = encoded

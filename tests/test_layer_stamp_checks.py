@@ -87,6 +87,13 @@ def test_arguments_round_trip_through_their_layout() -> None:
     assert kwargs["bias"] is v and kwargs == {"bias": v, "gain": 0.5, "flag": True}
 
 
+@pytest.mark.parametrize("n", [1, 3, 15])
+def test_positional_tensors_are_laid_out_as_the_stamped_forward_assumes(n: int) -> None:
+    # The stamped forward skips encode_arguments for positional tensors and uses this layout.
+    tensors = [torch.randn(2) for _ in range(n)]
+    assert encode_arguments(tuple(tensors), {}) == ("|".join(["T"] * n), tensors)
+
+
 @pytest.mark.parametrize("value", ["text", {"a": 1}, [torch.randn(2), [torch.randn(2)]], object()])
 def test_arguments_it_cannot_lay_out_are_refused(value: Any) -> None:
     assert encode_arguments((torch.randn(2), value), {}) is None
