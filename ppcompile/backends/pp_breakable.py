@@ -6,10 +6,12 @@ and registered on ``import ppcompile`` as well.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,7 +35,9 @@ from .segment_compilers import (
     segments_skip_size_asserts,
 )
 
-__all__ = ["compile_stage", "pp_breakable", "runtimes_of", "serve_stage", "stage_runtimes"]
+__all__ = [
+    "collector_paused", "compile_stage", "pp_breakable", "runtimes_of", "serve_stage", "stage_runtimes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -130,25 +134,57 @@ def _on_cuda(example_inputs: list[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[bool]:
+    """Python's cycle collector off inside, as it was after; yields whether it was on. The passes make
+    and drop thousands of FX nodes; a collection meanwhile promotes the live ones, and enough
+    promotions set off a collection of the whole process heap (torch's own objects included), which
+    costs a deep stage more than any pass. Their cycles are collected after, with the next young
+    generation."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield enabled
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _collector_on(on: bool) -> Iterator[None]:
+    if on:
+        gc.enable()
+    try:
+        yield
+    finally:
+        if on:
+            gc.disable()
+
+
 def compile_stage(
     gm: torch.fx.GraphModule, example_inputs: list[Any], config: PPBreakableConfig
 ) -> CompiledStage:
-    """One Dynamo graph of a PP stage through the passes and the segment compiles, lowered."""
+    """One Dynamo graph of a PP stage through the passes and the segment compiles, lowered, with the
+    cycle collector paused (:func:`collector_paused`) but for Inductor's segment compiles: they take
+    seconds and make cycles of their own."""
     dynamo_seconds = dynamo_trace_seconds()
     name = _graph_name()
     ctx = PassContext(config=config, example_inputs=list(example_inputs), graph_name=name)
-    split = run_passes(gm, ctx)
-    counters.backend_compiles += 1  # after the passes: a re-trace a pass asked for is not a compile
-    compiled, segment_compiles = compile_segments(split, ctx)
-    return lower_stage(
-        name, split, ctx, compiled, config, resolve_graph_mode(config.graph_mode, _on_cuda(example_inputs)),
-        skip_size_asserts=segments_skip_size_asserts(config),
-        segment_compiles=tuple(segment_compiles),
-        compile_times=compile_times(dynamo_seconds, ctx, segment_compiles),
-        compile_id=(compile_id := torch_internals.compile_id()),
-        frame_compile=_nth(torch_internals.frame_compile_index(compile_id)),
-        recompile_limit=torch_internals.recompile_limit(),
-    )
+    mode = resolve_graph_mode(config.graph_mode, _on_cuda(example_inputs))
+    with collector_paused() as enabled:
+        split = run_passes(gm, ctx)
+        counters.backend_compiles += 1  # after the passes: a re-trace a pass asked for is not a compile
+        with _collector_on(enabled and config.segment_compiler != "eager"):
+            compiled, segment_compiles = compile_segments(split, ctx)
+        return lower_stage(
+            name, split, ctx, compiled, config, mode,
+            skip_size_asserts=segments_skip_size_asserts(config),
+            segment_compiles=tuple(segment_compiles),
+            compile_times=compile_times(dynamo_seconds, ctx, segment_compiles),
+            compile_id=(compile_id := torch_internals.compile_id()),
+            frame_compile=_nth(torch_internals.frame_compile_index(compile_id)),
+            recompile_limit=torch_internals.recompile_limit(),
+        )
 
 
 def serve_stage(stage: CompiledStage, config: PPBreakableConfig, example_inputs: list[Any]) -> StageRuntime:

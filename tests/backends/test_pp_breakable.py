@@ -3,8 +3,11 @@ one module (recompiles included), never another instance's."""
 
 from __future__ import annotations
 
+import gc
 import inspect
+from typing import Any
 
+import pytest
 import torch
 from tiny_stage import H, Tiny, call
 
@@ -100,3 +103,50 @@ def test_a_recompile_names_the_guard_that_failed_and_its_source_line() -> None:
     assert f"test_pp_breakable.py:{line} in forward" in reason and "if pad:" in reason, reason
     described = second.describe()
     assert "recompiled: these guards failed" in described and reason.splitlines()[0] in described
+
+
+def test_the_backend_compiles_with_the_cycle_collector_paused() -> None:
+    from ppcompile.backends.pp_breakable import compile_stage, serve_stage
+    from ppcompile.config import PPBreakableConfig
+
+    started: list[int] = []
+    during_compile: list[int] = []
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        config = PPBreakableConfig.from_options(OPTIONS)
+        before = len(started)
+        stage = compile_stage(gm, example_inputs, config)
+        during_compile.append(len(started) - before)
+        return serve_stage(stage, config, [*example_inputs, *stage.bound_inputs])
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(on_collection)
+    gc.set_threshold(50)  # a young collection every 50 allocations, were the collector on
+    try:
+        call(torch.compile(Tiny(), backend=backend), 5)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(on_collection)
+    assert during_compile[0] <= 1  # the one that catches up as the collector resumes
+    assert started  # the collector ran outside the compile
+    assert gc.isenabled()
+
+
+def test_the_collector_is_left_as_it_was() -> None:
+    from ppcompile.backends.pp_breakable import collector_paused
+
+    with pytest.raises(ValueError), collector_paused():
+        assert not gc.isenabled()
+        raise ValueError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
