@@ -100,6 +100,9 @@ class SizeFn:
             self._linear = _integer_linear(expr)
         self._cache: dict[tuple[int, ...], int] = {}
 
+    def __reduce__(self) -> tuple[type[SizeFn], tuple[sympy.Basic]]:
+        return SizeFn, (self._expr,)  # read back through the one evaluator per expression
+
     @property
     def expr(self) -> sympy.Basic:
         return self._expr

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv, Mod
@@ -58,6 +60,8 @@ def test_one_evaluator_per_expression() -> None:
     assert SizeFn(2 * S0 + 1) is SizeFn(2 * S0 + 1)
     assert SizeFn(2 * S0 + 1) is not SizeFn(2 * S0 + 2)
     assert SizeFn(sympy.Tuple(S0, 4)) is SizeFn(sympy.Tuple(S0, 4))
+    fn = SizeFn(3 * S0 + 2)
+    assert pickle.loads(pickle.dumps(fn)) is fn
 
 
 def test_size_expr_of_an_int() -> None:
