@@ -4,7 +4,8 @@
 served them; ``replays_by_bucket`` splits replays by bucket; ``captures`` counts captured (segment,
 bucket) graphs; ``backend_compiles`` counts calls of the backend by Dynamo; ``segment_compiles`` counts
 graph segments actually compiled (unique structures; eager segments compile nothing) and
-``segment_cache_hits`` the segments that reused an artifact of the same structure; ``fall_offs`` counts,
+``segment_cache_hits`` the segments that reused an artifact of the same structure;
+``eager_code_reuses`` the eager segments that run an alike segment's generated code; ``fall_offs`` counts,
 by cause, the stage graphs whose forwards stopped reaching the graph path for a reason other than the
 documented policy (``StageRuntime.fall_offs()``: one warning per module and cause, however many stage
 graphs Dynamo recompiles for it);
@@ -31,6 +32,7 @@ class Counters:
     backend_compiles: int = 0
     segment_compiles: int = 0
     segment_cache_hits: int = 0
+    eager_code_reuses: int = 0
     replays_by_bucket: Counter[int] = dataclasses.field(default_factory=Counter)
     fall_offs: Counter[str] = dataclasses.field(default_factory=Counter)
     fence_waits: Counter[str] = dataclasses.field(default_factory=Counter)

@@ -46,6 +46,7 @@ from ppcompile.torch_internals import (
 )
 from ppcompile.torch_internals import shape_env_facts as _shape_facts  # a name tests patch
 
+from .eager_code import EagerCode
 from .stored_kernels import storable_compile
 from .structural_key import clear_pinned, structural_key
 
@@ -215,15 +216,6 @@ class SizeDispatch:
         return self.by_size.get(n, self.general)(*args)
 
 
-def _generated_forward(gm: torch.fx.GraphModule) -> SegmentFn:
-    """``gm``'s generated ``forward`` itself: called per break segment per forward, it skips the
-    ``nn.Module.__call__`` machinery (hooks, lazy-recompile check), a few microseconds per call."""
-    real_recompile = getattr(gm, "real_recompile", None)  # a lazy GraphModule generates its code now
-    if real_recompile is not None:
-        real_recompile()
-    return gm.forward
-
-
 def _input_kinds(
     node: torch.fx.Node, placeholders: Mapping[torch.fx.Node, int], ctx: PassContext
 ) -> list[str]:
@@ -294,6 +286,7 @@ def compile_segments(
     callables: dict[str, SegmentFn] = {}
     records: list[SegmentCompile] = []
     calls = list(split.graph.find_nodes(op="call_module"))
+    eager_code = EagerCode()  # segments of alike layers share their generated code
     compiled_here = config.segment_compiler != "eager" and not ctx.is_static
     to_compile = sum(SEGMENT.of(n).is_graph for n in calls) if compiled_here else 0
     progress = Progress(f"pp_breakable segment compile {ctx.graph_name}", to_compile, "segments")
@@ -303,7 +296,7 @@ def compile_segments(
         graphed = SEGMENT.of(node).is_graph and not ctx.is_static
         compiler = config.segment_compiler if graphed else "eager"
         if compiler == "eager":
-            callables[name] = _generated_forward(sub)
+            callables[name] = eager_code.forward(sub)
             continue
         sizes = tuple(config.compile_sizes)
         options = {"compiler": compiler, "compile_sizes": sizes, "inductor_settings": inductor_settings,

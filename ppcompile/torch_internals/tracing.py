@@ -18,8 +18,8 @@ from ppcompile.torch_internals import shape_env_hints, symint_shape_env
 from ppcompile.torch_internals.lookup import attr, lookup
 
 __all__ = [
-    "as_if_compiling", "dispatch_mode", "lazy_graph_module", "outside_fake_mode", "real_tensors_allowed",
-    "shares_storage", "size_hint", "trace_attempt", "tree_flatten", "tree_unflatten",
+    "as_if_compiling", "dispatch_mode", "has_default_codegen", "lazy_graph_module", "outside_fake_mode",
+    "real_tensors_allowed", "shares_storage", "size_hint", "trace_attempt", "tree_flatten", "tree_unflatten",
 ]
 
 _WHY = "to stamp repeated layers out"
@@ -100,3 +100,9 @@ def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.
     cls = lookup("torch.fx._lazy_graph_module", "_LazyGraphModule", "to defer a graph's code generation")
     gm: torch.fx.GraphModule = cls(root, graph)
     return gm
+
+
+def has_default_codegen(graph: torch.fx.Graph) -> bool:
+    """Whether ``graph`` generates its Python code with FX's default ``CodeGen`` (no pytree-flattened
+    signature or other custom code generation), which makes code a function of the nodes alone."""
+    return type(graph._codegen) is torch.fx.graph.CodeGen
