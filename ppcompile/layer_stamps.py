@@ -176,10 +176,10 @@ def _stamped_output(handle: str, layout: str) -> tuple[str, str]:
 
 def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Every stamped layer's ``forward``: one function for all of them, so Dynamo guards each layer on
-    its handle alone."""
-    forward = type(self).forward
+    its handle alone. A stamped layer's path reads nothing else of the layer (its class's ``forward``
+    neither: Dynamo would guard it)."""
     if not torch.compiler.is_compiling():
-        return forward(self, *args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
     handle: str = getattr(self, _HANDLE)
     if not kwargs and len(args) < len(_ALL_TENSORS) and all(map(torch.is_tensor, args)):
         # An engine's call (positional tensors): Dynamo folds this test and the lookup, where it would
@@ -188,15 +188,15 @@ def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     else:
         encoded = encode_arguments(args, kwargs)
     if encoded is None or not encoded[1]:
-        return forward(self, *args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
     layout, tensors = encoded
     role = _role(handle, layout)
     if role == "flat":
-        return forward(self, *args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
     if role == "exemplar":
         marked = [layer_input(x, handle, i) for i, x in enumerate(tensors)]
         copies = iter(marked)
-        out = forward(self, *_swap_tensors(args, copies), **dict(zip(kwargs, _swap_tensors(
+        out = type(self).forward(self, *_swap_tensors(args, copies), **dict(zip(kwargs, _swap_tensors(
             tuple(kwargs.values()), copies))))
         for x, copy in zip(tensors, marked):  # the layer may have written its input's copy
             region_write_back(x, copy)
@@ -204,7 +204,7 @@ def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     _PROBE(tensors, handle, layout)
     kind, mask = _stamped_output(handle, layout)
     if not kind:
-        return forward(self, *args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
     outs = _STAMPED(tensors, handle, layout)
     if kind == "T":
         return outs[0]
