@@ -12,7 +12,9 @@ Any other callable (a kernel compiled with Inductor's caches off, one specialise
 ``compile_sizes``, a Python function) is refused with ``StoredStageError``: such a stage is stored as
 its Dynamo graph only and compiled again on restart. The record keeps the split module, the segment
 compiles and the region traces; the first process's compile id and times are not carried (the
-restart's record says how long reading it back took).
+restart's record says how long reading it back took). A stage with Inductor kernels also carries the
+answer of Inductor's CPU vector-ISA probe (``torch_internals.cpu_isa``), which the restart adopts
+before it loads them when it holds there, instead of probing again.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import torch
 
 from ppcompile.lowering.program import SingleOutput
 from ppcompile.runtime.compiled_stage import CompiledStage, CompileRecord
+from ppcompile.torch_internals.cpu_isa import ProbedVecIsas, adopt_vec_isas, probed_vec_isas
 
 from .graph_codec import graph_from_records, graph_records
 from .stored_kernels import StoredKernel, load_kernel
 
 __all__ = ["StoredStageError", "dumps_compiled_stage", "loads_compiled_stage"]
 
-_FORMAT = "ppcompile-compiled-stage-1"
+_FORMAT = "ppcompile-compiled-stage-2"
 
 
 class StoredStageError(ValueError):
@@ -77,10 +80,14 @@ class _StagePickler(pickle.Pickler):
         return _graph_module, (graph_records(obj.graph), attrs)
 
 
+def _bare(fn: Any) -> Any:
+    return fn.fn if isinstance(fn, SingleOutput) else fn
+
+
 def _storable(fn: Any) -> bool:
     """``fn`` (bare, or returning its one output in a tuple) is a graph module's generated ``forward``
     or an Inductor kernel with its recorded artifacts."""
-    fn = fn.fn if isinstance(fn, SingleOutput) else fn
+    fn = _bare(fn)
     if isinstance(fn, StoredKernel):
         return True
     return isinstance(fn, types.MethodType) and isinstance(fn.__self__, torch.fx.GraphModule) \
@@ -94,13 +101,16 @@ def dumps_compiled_stage(stage: CompiledStage) -> bytes:
             if fn is not None and not _storable(fn):
                 raise StoredStageError(f"segment {step.segment.name} runs {fn!r}, neither a graph module's "
                                        "code nor an Inductor kernel torch recorded")
+    kernels = any(isinstance(_bare(fn), StoredKernel) for step in stage.program.steps
+                  for fn in (step.fn, step.call))
     record = stage.record
     kept = CompileRecord(split_module=record.split_module, segment_compiles=record.segment_compiles,
                          region_traces=record.region_traces)
     buffer = io.BytesIO()
     try:
-        _StagePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(
-            (_FORMAT, dataclasses.replace(stage, record=kept)))
+        pickler = _StagePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dump((_FORMAT, probed_vec_isas() if kernels else None))  # read first: adopted before loads
+        pickler.dump(dataclasses.replace(stage, record=kept))
     except Exception as e:  # a value pickle refuses (a fake tensor, a lock, a local class)
         raise StoredStageError(f"{type(e).__name__}: {e}") from e
     return buffer.getvalue()
@@ -108,10 +118,19 @@ def dumps_compiled_stage(stage: CompiledStage) -> bytes:
 
 def loads_compiled_stage(data: bytes) -> CompiledStage:
     """The stage ``dumps_compiled_stage`` wrote; ``StoredStageError`` when the bytes do not hold one."""
+    reader = pickle.Unpickler(io.BytesIO(data))
     try:
-        fmt, stage = pickle.loads(data)
+        header = reader.load()
     except Exception as e:
         raise StoredStageError(f"{type(e).__name__}: {e}") from e
-    if fmt != _FORMAT or not isinstance(stage, CompiledStage):
-        raise StoredStageError(f"not a stored stage of this ppcompile ({fmt!r})")
+    fmt = header[0] if isinstance(header, tuple) and header else header
+    if fmt != _FORMAT or len(header) != 2 or not isinstance(header[1], (ProbedVecIsas, type(None))):
+        raise StoredStageError(f"not a stored stage of this ppcompile ({fmt!r:.80})")
+    adopt_vec_isas(header[1])
+    try:
+        stage = reader.load()
+    except Exception as e:
+        raise StoredStageError(f"{type(e).__name__}: {e}") from e
+    if not isinstance(stage, CompiledStage):
+        raise StoredStageError(f"not a stored stage of this ppcompile ({type(stage).__name__} in it)")
     return stage

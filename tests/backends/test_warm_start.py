@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -249,30 +250,39 @@ def test_clear_warm_cache_deletes_every_artifact() -> None:
 
 _CHILD = '''
 import json, sys, torch, ppcompile
+from torch._inductor import cpu_vec_isa
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
 cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
                   head_dim=8, num_layers=4)
+probes = []  # Inductor's CPU vector-ISA probes in this process
+build = cpu_vec_isa.VecISA.check_build
+def counted(self, code):
+    probes.append(str(self))
+    return build(self, code)
+cpu_vec_isa.VecISA.check_build = counted
 torch.manual_seed(0)
 stage = make_stage(cfg, 1, 2)
-warm = ppcompile.warm_compile(stage, {"graph_mode": "emulate", "capture_sizes": [4, 8]})
+options = {"graph_mode": "emulate", "capture_sizes": [4, 8], "segment_compiler": sys.argv[1]}
+warm = ppcompile.warm_compile(stage, options)
 _, pos, proxies = make_batch(cfg, [5], 1, 2)
 ppcompile.mark_token_dynamic(pos, proxies)
 with torch.inference_mode(), set_forward_context(make_forward_context([5], cfg, range(2, 4))):
     got, want = warm(None, pos, pp_proxy_tensors=proxies), stage(None, pos, pp_proxy_tensors=proxies)
 err = (got - want).abs().max().item()  # the last stage: its output is one tensor
-print(json.dumps({"loaded": warm.loaded, "compiled": warm.compiled, "err": err,
+print(json.dumps({"loaded": warm.loaded, "compiled": warm.compiled, "err": err, "isa_probes": len(probes),
                   "dynamo_traces": sum("dynamo_trace" in rt.compiled.record.compile_times
                                        for rt in warm.runtimes()),
                   "passes_run": sum("passes" in rt.compiled.record.compile_times for rt in warm.runtimes())}))
 '''
 
 
-def _two_starts(code: str, cache_dir: Path) -> list[dict[str, Any]]:
-    """What ``code`` printed last (JSON) in each of two fresh processes sharing ``cache_dir``."""
+def _two_starts(code: str, cache_dir: Path, *args: str) -> list[dict[str, Any]]:
+    """What ``code`` printed last (JSON) in each of two fresh processes sharing ``cache_dir``, each
+    with the command-line arguments ``args``."""
     env = {**os.environ, "PPCOMPILE_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT)}
     runs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
                               timeout=300, check=False)
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -280,9 +290,19 @@ def _two_starts(code: str, cache_dir: Path) -> list[dict[str, Any]]:
 
 
 def test_a_second_process_loads_what_the_first_stored(cache_dir: Path) -> None:
-    cold, warm = _two_starts(_CHILD, cache_dir)
+    cold, warm = _two_starts(_CHILD, cache_dir, "eager")
     assert (cold["loaded"], cold["compiled"], cold["dynamo_traces"], cold["passes_run"]) == (0, 1, 1, 1)
     assert (warm["loaded"], warm["compiled"], warm["dynamo_traces"], warm["passes_run"]) == (1, 0, 0, 0)
+    assert cold["err"] < 1e-5 and warm["err"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="Inductor probes x86 ISAs only")
+def test_a_restart_loads_inductor_kernels_without_probing_the_cpu_again(cache_dir: Path) -> None:
+    """The stored stage carries the first process's vector-ISA answer; the restart adopts it."""
+    cold, warm = _two_starts(_CHILD, cache_dir, "inductor")
+    assert (cold["loaded"], cold["compiled"], warm["loaded"], warm["compiled"]) == (0, 1, 1, 0)
+    assert cold["isa_probes"] > 0 and warm["isa_probes"] == 0
     assert cold["err"] < 1e-5 and warm["err"] < 1e-5
 
 
