@@ -6,7 +6,8 @@ canonically (its nodes by position, targets, constants, the dtype/shape/stride/d
 with symbols renamed in order of appearance, which inputs are module state, and the compiler options)
 and hashes the text; ``segment_compilers.py`` shares one compiled artifact among segments with equal
 keys. Node names never enter the key; an object only equal to itself (a baked tensor, a submodule, a
-function) enters by address and is pinned so that no other object takes the address.
+Python function the graph calls) enters by address and is pinned so that no other object takes the
+address.
 
 Before (two layers' middle segments)::
 
@@ -19,6 +20,7 @@ After: both call sites hold the same compiled callable.
 from __future__ import annotations
 
 import hashlib
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -85,12 +87,22 @@ def _const(v: Any) -> str:
     return _by_address(v) if " at 0x" in text or isinstance(v, torch.Tensor) else text
 
 
+def _function(t: Any) -> str:
+    """A ``call_function`` target: an operator by name, a C function of a module or class by module and
+    name (one object per name), any other callable by address (two closures of one function share
+    their module and name, not their code's behaviour)."""
+    if isinstance(t, (OpOverload, OpOverloadPacket)):
+        return str(t)
+    if isinstance(t, types.BuiltinFunctionType) and (t.__self__ is None
+                                                      or isinstance(t.__self__, (types.ModuleType, type))):
+        return f"{t.__module__}.{t.__qualname__}"
+    return f"fn {_by_address(t)}"
+
+
 def _target(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
     t = node.target
     if node.op == "call_function":
-        if isinstance(t, (OpOverload, OpOverloadPacket)):
-            return str(t)
-        return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', repr(t))}"
+        return _function(t)
     if node.op == "get_attr":  # a tensor baked into the segment: shared only with the same tensor
         obj = gm
         for part in str(t).split("."):

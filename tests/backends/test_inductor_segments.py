@@ -4,6 +4,7 @@ per distinct segment serving every bucket, artifacts shared by identical layers 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -163,3 +164,39 @@ def test_segment_compile_reports_progress(caplog: pytest.LogCaptureFixture) -> N
     counts = [(int(m[1]), int(m[2])) for m in found if m]
     # One line per backend call (Dynamo may call it again after a restart); the cache is process-wide.
     assert counts and all(compiled + reused == GRAPH_SEGMENTS for compiled, reused in counts), counts
+
+
+class _ScaledSteps(torch.nn.Module):
+    """Three linears, each followed by its own closure of one scaling function (declared token-local),
+    with a break (``sin``, a split op) between: the second and third graph segments differ only in the
+    closure they call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.scales = [torch._dynamo.allow_in_graph(_scaler(s)) for s in (2.0, 0.5, 0.25)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, (linear, scale) in enumerate(zip(self.linears, self.scales)):
+            x = scale(linear(torch.sin(x) if i else x))
+        return x
+
+
+def _scaler(factor: float) -> Any:
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        return t * factor
+
+    return scaled
+
+
+def test_segments_calling_different_closures_of_one_function_compile_apart() -> None:
+    torch.manual_seed(0)
+    stage = _ScaledSteps()
+    options = {**OPTIONS, "split_ops": [torch.sin], "token_local_ops": stage.scales, "fold_graph_ops": 0}
+    compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=options)
+    x = torch.randn(8, 8)
+    ppcompile.mark_token_dynamic(x)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), stage(x))
+    records = graphed_runtime().compiled.record.segment_compiles
+    assert len(records) == 3 and not any(r.reused for r in records)

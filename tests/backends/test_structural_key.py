@@ -73,6 +73,30 @@ def test_names_and_symbol_numbering_do_not_matter() -> None:
     assert len(_key(layer2)) == 16
 
 
+def _calls(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.fx.Node]:
+    def body(graph: torch.fx.Graph, x: torch.fx.Node, w: torch.fx.Node) -> torch.fx.Node:
+        return graph.call_function(fn, (graph.call_function(F.linear, (x, w)),))
+
+    return body
+
+
+def _scaler(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def scaled(t: torch.Tensor) -> torch.Tensor:  # every closure has this one module and qualname
+        return t * scale
+
+    return scaled
+
+
+def test_two_closures_of_one_function_do_not_share_a_key() -> None:
+    """A Python function a graph calls enters the key as itself; a C function by its name."""
+    half, quarter = _scaler(0.5), _scaler(0.25)
+    assert half.__qualname__ == quarter.__qualname__
+    keys = [_key(_graph(("x", "w"), _fakes(*BASE_INPUTS), _calls(fn))) for fn in (half, quarter, half)]
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+    assert _key(_graph(("x", "w"), _fakes(*BASE_INPUTS), _linear_relu)) \
+        == _key(_graph(("a", "b"), _fakes(*BASE_INPUTS), _linear_relu))
+
+
 @pytest.mark.parametrize("change", ["code", "constant", "dtype", "shape", "static dim", "roles", "options"])
 def test_any_structural_change_changes_the_key(change: str) -> None:
     base = _graph(("x", "w"), _fakes(*BASE_INPUTS), _linear_scale(0.5))
