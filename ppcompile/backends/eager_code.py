@@ -3,9 +3,9 @@
 A stage of N alike layers splits into N alike graph segments that differ only in node names (and in
 the weights each is handed). FX generates and compiles Python source per graph module; a segment
 whose graph is the same program as one already generated (the same ops on the same wiring, the same
-constants, placeholders by position) runs that one's ``forward`` instead. A graph that reads its
-module (``get_attr``, ``call_module``) keeps its own code, and so does one holding a constant other
-than a number, a string, None, or a torch dtype, device, layout or memory format.
+constants, placeholders by position: the program ``structural_key`` also keys, any object that is not a
+plain value taken as itself) runs that one's ``forward`` instead. A graph that reads its module
+(``get_attr``, ``call_module``) keeps its own code.
 
 Before (layers 2 and 3's middle segments)::
 
@@ -25,13 +25,9 @@ import torch
 from ppcompile.counters import counters
 from ppcompile.torch_internals.tracing import has_default_codegen
 
-__all__ = ["EagerCode"]
+from .structural_key import program_lines
 
-_VALUE_TYPES = (bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-class _Unshareable(Exception):
-    pass
+__all__ = ["EagerCode", "program_of"]
 
 
 class EagerCode:
@@ -56,35 +52,10 @@ class EagerCode:
 
 
 def program_of(gm: torch.fx.GraphModule) -> Hashable | None:
-    """``gm``'s graph as a hashable program (node names left out), or None when its code may depend on
-    more than that."""
-    if not has_default_codegen(gm.graph):
+    """``gm``'s graph as a hashable program (``structural_key.program_lines``: node names left out, an
+    object other than a plain value by identity), or None when its code may depend on more than that:
+    a graph that reads its module, or whose code FX does not generate its default way."""
+    if not has_default_codegen(gm.graph) or any(gm.graph.find_nodes(op=op)
+                                                 for op in ("get_attr", "call_module")):
         return None
-    index: dict[torch.fx.Node, int] = {}
-    items: list[Hashable] = []
-    try:
-        for node in gm.graph.nodes:
-            if node.op in ("get_attr", "call_module"):
-                return None
-            target = None if node.op == "placeholder" else node.target  # placeholders by position
-            items.append((node.op, target, _arg(node.args, index), _arg(node.kwargs, index)))
-            index[node] = len(index)
-    except _Unshareable:
-        return None
-    return tuple(items)
-
-
-def _arg(value: Any, index: dict[torch.fx.Node, int]) -> Hashable:
-    if isinstance(value, torch.fx.Node):
-        return ("node", index[value])
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, *(_arg(v, index) for v in value))
-    if isinstance(value, dict):
-        return ("dict", *((k, _arg(v, index)) for k, v in value.items()))
-    if isinstance(value, slice):
-        return ("slice", _arg(value.start, index), _arg(value.stop, index), _arg(value.step, index))
-    if isinstance(value, float):
-        return ("float", repr(value))  # 0.0 and -0.0 are equal but print differently
-    if type(value) in _VALUE_TYPES:
-        return (type(value).__name__, value)  # typed: 1, 1.0 and True are equal as keys
-    raise _Unshareable
+    return "\n".join(program_lines(gm))

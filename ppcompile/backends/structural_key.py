@@ -30,10 +30,12 @@ import torch
 from ppcompile.symbolic import example_value, size_expr
 from ppcompile.torch_internals import OpOverload, OpOverloadPacket
 
-__all__ = ["clear_pinned", "structural_key"]
+__all__ = ["clear_pinned", "program_lines", "structural_key"]
 
-_PINNED: list[Any] = []
+_PINNED: dict[int, Any] = {}
 """Objects a key names by address (a baked tensor): kept alive so no other object takes the address."""
+_VALUE_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+                torch.memory_format)
 
 
 def clear_pinned() -> None:
@@ -42,7 +44,7 @@ def clear_pinned() -> None:
 
 
 def _by_address(obj: Any) -> str:
-    _PINNED.append(obj)
+    _PINNED[id(obj)] = obj
     return f"{type(obj).__qualname__}@{id(obj):x}"
 
 
@@ -72,9 +74,10 @@ class _Canon:
 
 
 def _const(v: Any) -> str:
-    """A constant argument as text that is equal exactly when the constant is."""
-    if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
-                      torch.memory_format)):
+    """A constant argument as text that is equal exactly when the constant is: a value typed (1, 1.0
+    and True differ; so do 0.0 and -0.0, which print differently), containers by their items, any
+    other object (a tensor, a function, an enum) by address."""
+    if isinstance(v, _VALUE_TYPES):
         return f"{type(v).__name__}:{v!r}"
     if isinstance(v, (list, tuple)):
         return f"{type(v).__name__}[{','.join(_const(x) for x in v)}]"
@@ -82,9 +85,7 @@ def _const(v: Any) -> str:
         return f"slice({_const(v.start)},{_const(v.stop)},{_const(v.step)})"
     if isinstance(v, dict):
         return "{" + ",".join(f"{_const(k)}:{_const(x)}" for k, x in v.items()) + "}"
-    text = repr(v)
-    # An object whose repr holds an address (a tensor constant, a function) only equals itself.
-    return _by_address(v) if " at 0x" in text or isinstance(v, torch.Tensor) else text
+    return _by_address(v)
 
 
 def _function(t: Any) -> str:
@@ -113,15 +114,9 @@ def _target(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
     return str(t)
 
 
-def structural_key(
-    gm: torch.fx.GraphModule, input_kinds: Sequence[str], options: Mapping[str, Any]
-) -> str:
-    """The key under which ``gm`` shares a compiled artifact (16 hex digits).
-
-    ``input_kinds`` names each placeholder's role (module state, live tensor, intermediate, ...);
-    ``options`` are the compiler and its options. Node names never enter the key.
-    """
-    canon = _Canon()
+def program_lines(gm: torch.fx.GraphModule) -> list[str]:
+    """``gm``'s graph as text, one line per node: its op, target and arguments, nodes by position
+    (placeholders by position only), constants as :func:`_const` writes them. Node names never enter."""
     index: dict[torch.fx.Node, int] = {}
 
     def arg(a: Any) -> str:
@@ -133,16 +128,29 @@ def structural_key(
             return "{" + ",".join(f"{k}:{arg(x)}" for k, x in a.items()) + "}"
         return _const(a)
 
-    lines = [f"options {sorted((k, _const(v)) for k, v in options.items())}"]
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    if len(input_kinds) != len(placeholders):
-        raise ValueError(f"structural_key: {len(input_kinds)} input kinds for {len(placeholders)} inputs")
-    kinds = dict(zip(placeholders, input_kinds))
+    lines = []
     for node in gm.graph.nodes:
         index[node] = len(index)
         if node.op == "placeholder":
-            lines.append(f"in {kinds[node]} {canon.value(example_value(node))}")
+            lines.append("placeholder")
         else:
             kwargs = ",".join(f"{k}={arg(v)}" for k, v in node.kwargs.items())
             lines.append(f"{node.op} {_target(node, gm)} ({arg(node.args)}) {{{kwargs}}}")
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    return lines
+
+
+def structural_key(
+    gm: torch.fx.GraphModule, input_kinds: Sequence[str], options: Mapping[str, Any]
+) -> str:
+    """The key under which ``gm`` shares a compiled artifact (16 hex digits).
+
+    ``input_kinds`` names each placeholder's role (module state, live tensor, intermediate, ...);
+    ``options`` are the compiler and its options. Node names never enter the key.
+    """
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(input_kinds) != len(placeholders):
+        raise ValueError(f"structural_key: {len(input_kinds)} input kinds for {len(placeholders)} inputs")
+    canon = _Canon()
+    lines = [f"options {sorted((k, _const(v)) for k, v in options.items())}"]
+    lines += [f"in {kind} {canon.value(example_value(p))}" for p, kind in zip(placeholders, input_kinds)]
+    return hashlib.sha256("\n".join(lines + program_lines(gm)).encode()).hexdigest()[:16]

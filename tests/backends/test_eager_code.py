@@ -66,8 +66,26 @@ def test_a_graph_that_reads_its_module_keeps_its_own_code() -> None:
     assert code.forward(gm) is not code.forward(torch.fx.GraphModule(root, g))
 
 
-def test_a_constant_of_another_type_keeps_its_own_code() -> None:
-    assert program_of(_graph(_scaled(1j))) is None
+def _scaler(k: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def scaled(t: torch.Tensor) -> torch.Tensor:  # every closure has this one module and qualname
+        return t * k
+    return scaled
+
+
+def _calls(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.fx.Node]:
+    def build(g: torch.fx.Graph, x: torch.fx.Node, w: torch.fx.Node) -> torch.fx.Node:
+        return g.call_function(fn, (g.call_function(torch.matmul, (x, w)),))
+    return build
+
+
+def test_a_python_function_the_graph_calls_shares_only_with_itself() -> None:
+    two, three = _scaler(2.0), _scaler(3.0)
+    assert program_of(_graph(_calls(two))) == program_of(_graph(_calls(two)))
+    code = EagerCode()
+    f2, f3 = code.forward(_graph(_calls(two))), code.forward(_graph(_calls(three)))
+    assert f2 is not f3
+    x, w = torch.randn(3, 4), torch.randn(4, 2)
+    torch.testing.assert_close(f3(x, w), x @ w * 3)
 
 
 def test_a_stage_of_alike_layers_reuses_its_graph_segments_code_and_equals_eager() -> None:
