@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.fx.node import map_arg
 
 __all__ = ["copy_node", "innermost_module", "replace_call", "restacked"]
 
@@ -63,22 +64,7 @@ def copy_node(graph: torch.fx.Graph, node: torch.fx.Node, lookup: Callable[[torc
     """``node`` copied into ``graph`` at its insertion point, each node it reads replaced by
     ``lookup(node)``, with ``meta``. ``Graph.node_copy`` does the same through a pytree walk of the
     arguments and a copy of the meta the caller replaces: these passes copy thousands of nodes."""
-    copy = graph.create_node(node.op, node.target, _mapped(node.args, lookup), _mapped(node.kwargs, lookup),
+    copy = graph.create_node(node.op, node.target, map_arg(node.args, lookup), map_arg(node.kwargs, lookup),
                              node.name, node.type)
     copy.meta = meta
     return copy
-
-
-def _mapped(value: Any, lookup: Callable[[torch.fx.Node], Any]) -> Any:
-    if isinstance(value, torch.fx.Node):
-        return lookup(value)
-    if isinstance(value, tuple):
-        items = [_mapped(v, lookup) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # a named tuple
-    if isinstance(value, list):
-        return [_mapped(v, lookup) for v in value]
-    if isinstance(value, dict):
-        return {k: _mapped(v, lookup) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(_mapped(value.start, lookup), _mapped(value.stop, lookup), _mapped(value.step, lookup))
-    return value
