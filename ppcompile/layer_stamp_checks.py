@@ -223,7 +223,9 @@ class _Recorder(dispatch_mode()):  # type: ignore[misc]
         self.named.update((("w", name), t) for name, t in state.items())
         self.names: dict[int, tuple[str, Any]] = {id(x): role for role, x in self.named.items()}
         self.meta: dict[int, torch.Tensor] = {}  # a real tensor's id -> the meta copy ops read instead
-        self.alive: list[Any] = [*inputs, *state.values()]  # every tensor seen stays alive: no id is reused
+        # Every tensor seen stays alive, so that no id is reused: ``named`` holds the inputs, weights and
+        # op outputs, ``alive`` the real tensors ops read as meta copies.
+        self.alive: list[Any] = []
         self.ops: list[tuple[str, tuple[Any, ...]]] = []
         self.returned: list[tuple[Any, list[Any]]] = []
         self.inputs = list(inputs)
@@ -284,7 +286,6 @@ class _Recorder(dispatch_mode()):  # type: ignore[misc]
             if isinstance(t, torch.Tensor) and id(t) not in self.names:
                 self.names[id(t)] = ("v", len(self.named))
                 self.named[("v", len(self.named))] = t
-                self.alive.append(t)
         return out
 
     def _returned(self, value: Any) -> Any:
