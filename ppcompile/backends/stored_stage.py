@@ -96,13 +96,13 @@ def _storable(fn: Any) -> bool:
 
 def dumps_compiled_stage(stage: CompiledStage) -> bytes:
     """``stage`` as bytes; ``StoredStageError`` when a part of it cannot be stored."""
+    kernels = False
     for step in stage.program.steps:
         for fn in (step.fn, step.call):
             if fn is not None and not _storable(fn):
                 raise StoredStageError(f"segment {step.segment.name} runs {fn!r}, neither a graph module's "
                                        "code nor an Inductor kernel torch recorded")
-    kernels = any(isinstance(_bare(fn), StoredKernel) for step in stage.program.steps
-                  for fn in (step.fn, step.call))
+            kernels = kernels or isinstance(_bare(fn), StoredKernel)
     record = stage.record
     kept = CompileRecord(split_module=record.split_module, segment_compiles=record.segment_compiles,
                          region_traces=record.region_traces)
