@@ -13,7 +13,7 @@ from ppcompile.passes.context import PassContext
 from ppcompile.passes.manager import PASSES
 from ppcompile.records import StaticBuffer
 
-__all__ = ["bridges", "dynamo_graph", "make_ctx", "op_targets", "run_until"]
+__all__ = ["bridges", "dynamo_graph", "make_ctx", "op_targets", "run_until", "scaler"]
 
 
 def dynamo_graph(
@@ -74,3 +74,12 @@ def bridges(split: torch.fx.GraphModule) -> dict[str, StaticBuffer]:
     graph segment reads), as lowering finds them: on the non-placeholder nodes of the split graph."""
     return {n.name: buffer for n in split.graph.nodes
             if n.op != "placeholder" and (buffer := STATIC_BUFFER.get(n)) is not None}
+
+
+def scaler(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A closure multiplying by ``factor``: every one has the same module and qualname, not the same
+    behaviour (keys that name functions must tell them apart)."""
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        return t * factor
+
+    return scaled

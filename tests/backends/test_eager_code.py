@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from fx_helpers import scaler
 from reference_runs import run_middle_stage
 from stage_checks import assert_close
 
@@ -66,12 +67,6 @@ def test_a_graph_that_reads_its_module_keeps_its_own_code() -> None:
     assert code.forward(gm) is not code.forward(torch.fx.GraphModule(root, g))
 
 
-def _scaler(k: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    def scaled(t: torch.Tensor) -> torch.Tensor:  # every closure has this one module and qualname
-        return t * k
-    return scaled
-
-
 def _calls(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.fx.Node]:
     def build(g: torch.fx.Graph, x: torch.fx.Node, w: torch.fx.Node) -> torch.fx.Node:
         return g.call_function(fn, (g.call_function(torch.matmul, (x, w)),))
@@ -79,7 +74,7 @@ def _calls(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.fx
 
 
 def test_a_python_function_the_graph_calls_shares_only_with_itself() -> None:
-    two, three = _scaler(2.0), _scaler(3.0)
+    two, three = scaler(2.0), scaler(3.0)
     assert program_of(_graph(_calls(two))) == program_of(_graph(_calls(two)))
     code = EagerCode()
     f2, f3 = code.forward(_graph(_calls(two))), code.forward(_graph(_calls(three)))

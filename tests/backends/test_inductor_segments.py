@@ -4,10 +4,10 @@ per distinct segment serving every bucket, artifacts shared by identical layers 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import pytest
 import torch
+from fx_helpers import scaler
 from stage_helpers import check, graphed_runtime, run
 
 import ppcompile
@@ -174,19 +174,13 @@ class _ScaledSteps(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linears = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
-        self.scales = [torch._dynamo.allow_in_graph(_scaler(s)) for s in (2.0, 0.5, 0.25)]
+        self.scales = [torch._dynamo.allow_in_graph(scaler(s)) for s in (2.0, 0.5, 0.25)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, (linear, scale) in enumerate(zip(self.linears, self.scales)):
             x = scale(linear(torch.sin(x) if i else x))
         return x
 
-
-def _scaler(factor: float) -> Any:
-    def scaled(t: torch.Tensor) -> torch.Tensor:
-        return t * factor
-
-    return scaled
 
 
 def test_segments_calling_different_closures_of_one_function_compile_apart() -> None:

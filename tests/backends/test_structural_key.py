@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from fx_helpers import scaler
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
@@ -80,16 +81,9 @@ def _calls(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.fx
     return body
 
 
-def _scaler(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    def scaled(t: torch.Tensor) -> torch.Tensor:  # every closure has this one module and qualname
-        return t * scale
-
-    return scaled
-
-
 def test_two_closures_of_one_function_do_not_share_a_key() -> None:
     """A Python function a graph calls enters the key as itself; a C function by its name."""
-    half, quarter = _scaler(0.5), _scaler(0.25)
+    half, quarter = scaler(0.5), scaler(0.25)
     assert half.__qualname__ == quarter.__qualname__
     keys = [_key(_graph(("x", "w"), _fakes(*BASE_INPUTS), _calls(fn))) for fn in (half, quarter, half)]
     assert keys[0] != keys[1] and keys[0] == keys[2]
