@@ -11,8 +11,9 @@
 - **flat** (a layer whose check failed, a second call of the exemplar, or arguments it does not lay
   out): its own code, traced op by op.
 
-Before a layer is stamped, ``ppcompile::stamp_probe`` checks it against the exemplar while Dynamo traces
-(``layer_stamp_checks``): the same traced input sizes, and the same ops when both run on meta tensors.
+The fake kernel of ``ppcompile::stamped_layer`` checks the layer against the exemplar while Dynamo
+traces (``layer_stamp_checks``): the same traced input sizes, and the same ops when both run on meta
+tensors. A layer that fails it is traced flat right after the call, which nothing then reads.
 Python constants that differ (a global layer id) are allowed only as arguments of custom ops; the
 backend's ``expand_stamped_layers`` pass substitutes them when it copies the exemplar's ops for the
 layer, wired to the layer's own inputs and weights. So the stage graph the other passes see is a flat
@@ -23,11 +24,12 @@ Dynamo's graph, layer 5 stamped from layer 4::
     copy = ppcompile.layer_input(l_hidden_, 'g0/layers.4', 0)
     ... layer 4's ops on copy and l_self_modules_layers_modules_4_..., attention(q, k, v, 4) ...
     h4 = ppcompile.layer_output(out, 'g0/layers.4', 0)
-    probe = ppcompile.stamp_probe([h4], 'g0/layers.5', 'T')
     stamped = ppcompile.stamped_layer([h4], 'g0/layers.5', 'T');  h5 = stamped[0]
 
 Other backends run ``stamped_layer`` as the layer's own ``forward`` on copies of its inputs (a layer
-that writes its input is never stamped). Outside ``torch.compile`` the layers run their own ``forward``.
+that writes its input is never stamped). A refused layer's call, which nothing reads, is dropped by
+backends that remove dead code (``aot_eager``, ``inductor``); ``eager`` runs it. Outside
+``torch.compile`` the layers run their own ``forward``.
 """
 
 from __future__ import annotations
@@ -201,11 +203,10 @@ def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         for x, copy in zip(tensors, marked):  # the layer may have written its input's copy
             region_write_back(x, copy)
         return _mark_outputs(handle, out)
-    _PROBE(tensors, handle, layout)
+    outs = _STAMPED(tensors, handle, layout)  # its fake kernel checks the layer first
     kind, mask = _stamped_output(handle, layout)
-    if not kind:
+    if not kind:  # the check failed: the call above has no users, and expand_stamped_layers drops it
         return type(self).forward(self, *args, **kwargs)
-    outs = _STAMPED(tensors, handle, layout)
     if kind == "T":
         return outs[0]
     if "N" not in mask:  # no None in the output: built here, where Dynamo would inline _refill
@@ -280,26 +281,6 @@ def _(x: torch.Tensor, handle: str, index: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("ppcompile::stamp_probe", mutates_args=())
-def stamp_probe(inputs: list[torch.Tensor], handle: str, layout: str) -> torch.Tensor:
-    """Checks, while Dynamo traces, whether layer ``handle`` may be stamped from its group's exemplar;
-    does nothing when run. ``expand_stamped_layers`` drops it."""
-    return inputs[0].new_empty(0)
-
-
-@stamp_probe.register_fake
-def _(inputs: list[torch.Tensor], handle: str, layout: str) -> torch.Tensor:
-    state = _trace()
-    if state is not None and handle not in state.stamped and handle not in state.rejected:
-        why = _check(state, handle, layout, inputs)
-        if why is None:
-            log.debug("stamped layer %s", handle)
-        else:
-            state.rejected[handle] = why
-            log.info("trace_layers_once: %s is traced flat: %s", layer_name(handle), why)
-    return inputs[0].new_empty(0)
-
-
 def _check(state: _Trace, handle: str, layout: str, inputs: Sequence[torch.Tensor]) -> str | None:
     exemplar = state.exemplar[_kind(handle, layout)]
     name, ex_name = layer_name(handle), layer_name(exemplar)
@@ -333,6 +314,13 @@ def _(inputs: list[torch.Tensor], handle: str, layout: str) -> list[torch.Tensor
     state = _trace()
     if state is None:
         raise RuntimeError("ppcompile::stamped_layer has no fake outputs outside the trace that made it")
+    if handle not in state.stamped and handle not in state.rejected:
+        why = _check(state, handle, layout, inputs)
+        if why is None:
+            log.debug("stamped layer %s", handle)
+        else:
+            state.rejected[handle] = why
+            log.info("trace_layers_once: %s is traced flat: %s", layer_name(handle), why)
     outputs = state.outputs[state.exemplar[_kind(handle, layout)]]
     return [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
             for _, o in sorted(outputs.items())]
@@ -340,5 +328,4 @@ def _(inputs: list[torch.Tensor], handle: str, layout: str) -> list[torch.Tensor
 
 # Called as OpOverloads in traced code: Dynamo puts one straight in the graph, where it would trace a
 # CustomOpDef's Python ``__call__``.
-_PROBE = torch.ops.ppcompile.stamp_probe.default
 _STAMPED = torch.ops.ppcompile.stamped_layer.default

@@ -65,7 +65,7 @@ def test_reference_stage_stamped_equals_eager_with_the_flat_split(name: str) -> 
     split = stamped.compiled.record.split_module
     assert split is not None
     text = split.print_readable(print_output=False)
-    for op in ("stamped_layer", "layer_input", "layer_output", "stamp_probe"):
+    for op in ("stamped_layer", "layer_input", "layer_output"):
         assert f"ppcompile.{op}" not in text, op
     assert "bound_layers_5_" in text  # layer 5's own weights, graph inputs
     assert "stamped layers: 2" in stamped.describe()
@@ -157,6 +157,14 @@ def test_a_layer_its_check_refuses_is_traced_flat_and_logged(
     assert runtime.compiled.record.stamped_layers < 3
     assert runtime.compiled.record.traced_flat["layers.1"] == why
     assert f"traced flat, not stamped: layers.1: {why}" in runtime.describe()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_other_backends_give_eager_results_when_a_check_refuses(backend: str) -> None:
+    """A refused layer's stamped op stays in Dynamo's graph with no users, then the layer is traced
+    flat: the results are the layer's own."""
+    stack = ppcompile.trace_layers_once(_Stack(_Gate), stamp=True)
+    _compile_and_compare(stack, _Stack(_Gate), backend)
 
 
 class _Writer(_Gate):

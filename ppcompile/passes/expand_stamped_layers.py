@@ -1,13 +1,14 @@
 """Pass ``expand_stamped_layers``: copy the exemplar's ops for each stamped layer (``layer_stamps``).
 
 A layer that ``trace_layers_once(stage)`` stamped reaches the stage graph as one
-``ppcompile::stamped_layer`` call (after the ``ppcompile::stamp_probe`` that checked it); its exemplar
+``ppcompile::stamped_layer`` call (whose fake kernel checked it); its exemplar
 (the first layer of its group called) was traced op by op between ``ppcompile::layer_input`` and
 ``ppcompile::layer_output`` markers. Each call becomes a copy of the exemplar's ops, wired to the call's
 inputs; the exemplar's weights become the layer's own (new graph inputs, in ``ctx.bound_inputs``, which
 the runtime appends to each call's inputs); the custom-op constants the check found different (a
 global layer id) become the layer's; each copy's module stack names the layer. The markers, the
-exemplar's write-backs and the probes go: the graph aliases and writes in place as the model does.
+exemplar's write-backs and the calls of layers whose check failed (traced flat after the call, which
+nothing reads) go: the graph aliases and writes in place as the model does.
 
 Before::
 
@@ -15,7 +16,6 @@ Before::
     linear = torch._C._nn.linear(copy, l_layers_0_up_weight);  tagged = test.tagged(linear, 0)
     region_write_back(l_x_, copy)
     x = ppcompile.layer_output(tagged, 'g0/layers.0', 0)
-    stamp_probe = ppcompile.stamp_probe([x], 'g0/layers.1', 'T')
     stamped = ppcompile.stamped_layer([x], 'g0/layers.1', 'T');  x_1 = stamped[0]
 
 After::
@@ -43,7 +43,6 @@ from ppcompile.layer_stamps import (
     layer_of,
     layer_output,
     stamp_facts,
-    stamp_probe,
     stamped_layer,
 )
 from ppcompile.passes.context import PassContext, PassResult
@@ -56,7 +55,7 @@ __all__ = ["expand_stamped_layers"]
 log = logging.getLogger(__name__)
 
 _INPUT, _OUTPUT = layer_input._opoverload, layer_output._opoverload
-_PROBE, _STAMPED = stamp_probe._opoverload, stamped_layer._opoverload
+_STAMPED = stamped_layer._opoverload
 _MARKERS = (_INPUT, _OUTPUT)
 _WRITE_BACK = region_write_back._opoverload
 
@@ -80,14 +79,19 @@ class _Template:
 def expand_stamped_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replaces every ``stamped_layer`` call with a copy of its exemplar's ops."""
     stamped = list(gm.graph.find_nodes(op="call_function", target=_STAMPED))
-    markers = [n for t in (*_MARKERS, _PROBE) for n in gm.graph.find_nodes(op="call_function", target=t)]
+    markers = [n for t in _MARKERS for n in gm.graph.find_nodes(op="call_function", target=t)]
     if not stamped and not markers:
         return PassResult(gm, modified=False)
     facts, refused = stamp_facts()
-    probed = {str(n.args[1]) for n in gm.graph.find_nodes(op="call_function", target=_PROBE)}
-    ctx.traced_flat = {layer_name(h): why for h, why in refused.items() if h in probed}
+    checked = {str(n.args[1]) for n in stamped}
+    ctx.traced_flat = {layer_name(h): why for h, why in refused.items() if h in checked}
     gm = lazy_graph_module(gm, gm.graph.__deepcopy__())  # new inputs: not in the graph Dynamo keeps
-    stamped = list(gm.graph.find_nodes(op="call_function", target=_STAMPED))
+    stamped = []
+    for node in list(gm.graph.find_nodes(op="call_function", target=_STAMPED)):
+        if str(node.args[1]) in refused and not node.users:  # traced flat after it
+            gm.graph.erase_node(node)
+        else:
+            stamped.append(node)
     input_copies = set(gm.graph.find_nodes(op="call_function", target=_INPUT))
     templates: dict[str, _Template] = {}
     index_of = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
@@ -108,8 +112,6 @@ def expand_stamped_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
     for node in [*gm.graph.find_nodes(op="call_function", target=_INPUT),
                  *gm.graph.find_nodes(op="call_function", target=_OUTPUT)]:
         node.replace_all_uses_with(node.args[0])
-        gm.graph.erase_node(node)
-    for node in list(gm.graph.find_nodes(op="call_function", target=_PROBE)):
         gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()

@@ -82,7 +82,7 @@ def test_stamped_layers_become_their_own_copies_of_the_exemplar() -> None:
     assert len(_targets(before, "stamped_layer")) == 2 and len(_targets(before, "tagged")) == 1
     out = result.graph_module
     assert result.modified and ctx.stamped_layers == 2
-    for op in ("stamped_layer", "layer_input", "layer_output", "stamp_probe"):
+    for op in ("stamped_layer", "layer_input", "layer_output"):
         assert not _targets(out, op), op
     assert [n.args[1] for n in _targets(out, "tagged")] == [0, 1, 2]  # each layer's own constant
     bound = [n for n in out.graph.find_nodes(op="placeholder") if BOUND_WEIGHT.has(n)]
