@@ -183,7 +183,10 @@ def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.compiler.is_compiling():
         return type(self).forward(self, *args, **kwargs)
     handle: str = getattr(self, _HANDLE)
-    if not kwargs and len(args) < len(_ALL_TENSORS) and all(map(torch.is_tensor, args)):
+    positional = not kwargs and len(args) < len(_ALL_TENSORS)
+    for x in args:  # a loop here: Dynamo would inline a call of all() as a function of its own
+        positional = positional and isinstance(x, torch.Tensor)
+    if positional:
         # An engine's call (positional tensors): Dynamo folds this test and the lookup, where it would
         # trace encode_arguments's loop instruction by instruction.
         encoded: tuple[str, list[torch.Tensor]] | None = (_ALL_TENSORS[len(args)], list(args))
