@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import torch
@@ -34,8 +35,10 @@ def attr(obj: Any, path: str, owner: str, why: str) -> Any:
 def lookup(module: str, path: str, why: str) -> Any:
     """``module.<path>`` as it is now (read per call, so a patched attribute is seen); a missing module
     or attribute raises, naming it."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise missing(f"module {module}", why) from e
+    mod = sys.modules.get(module)  # imported already: import_module's own lookup costs a few us a call
+    if mod is None:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            raise missing(f"module {module}", why) from e
     return attr(mod, path, module, why)
