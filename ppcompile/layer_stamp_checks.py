@@ -29,6 +29,7 @@ from ppcompile.torch_internals.tracing import (
     as_if_compiling,
     dispatch_mode,
     outside_fake_mode,
+    python_dispatcher_off,
     real_tensors_allowed,
     shares_storage,
     size_hint,
@@ -184,7 +185,9 @@ def _record(layer: nn.Module, layout: str, static: Sequence[tuple[Any, ...]], on
     kind = "meta" if on_meta else "fake"
     try:
         with outside_fake_mode(), as_if_compiling(), contextlib.ExitStack() as stack:
-            if not on_meta:
+            if on_meta:  # meta kernels need no Python dispatcher; with it each op costs several times more
+                stack.enter_context(python_dispatcher_off())
+            else:
                 mode = stack.enter_context(static_fake_mode())
                 stack.enter_context(real_tensors_allowed(mode))
             inputs = [torch.empty_strided(size, stride, dtype=dtype, device="meta" if on_meta else device)

@@ -19,7 +19,8 @@ from ppcompile.torch_internals.lookup import attr, lookup
 
 __all__ = [
     "as_if_compiling", "dispatch_mode", "has_default_codegen", "lazy_graph_module", "outside_fake_mode",
-    "real_tensors_allowed", "shares_storage", "size_hint", "trace_attempt", "tree_flatten", "tree_unflatten",
+    "python_dispatcher_off", "real_tensors_allowed", "shares_storage", "size_hint", "trace_attempt",
+    "tree_flatten", "tree_unflatten",
 ]
 
 _WHY = "to stamp repeated layers out"
@@ -60,6 +61,13 @@ def as_if_compiling() -> Iterator[None]:
         yield
     finally:
         module._is_compiling_flag = before
+
+
+def python_dispatcher_off() -> contextlib.AbstractContextManager[Any]:
+    """Within: ops dispatch without the Python dispatcher, which Dynamo's trace turns on (a real or meta
+    op then runs its C++ kernels at C++ speed)."""
+    cm: contextlib.AbstractContextManager[Any] = lookup("torch._C", "_DisablePythonDispatcher", _WHY)()
+    return cm
 
 
 def dispatch_mode() -> type:
