@@ -71,9 +71,16 @@ def python_dispatcher_off() -> contextlib.AbstractContextManager[Any]:
 
 
 def dispatch_mode() -> type:
-    """The base class of a mode that sees every op at the dispatcher."""
-    cls: type = lookup("torch.utils._python_dispatch", "TorchDispatchMode", _WHY)
-    return cls
+    """The base class of a mode that sees every op at the dispatcher. Its subclasses' handlers run as
+    they are: torch would wrap each in a Dynamo-disabling frame, which costs several us an op, and a
+    mode that never runs under Dynamo's frame evaluation does not need."""
+    base: type = lookup("torch.utils._python_dispatch", "TorchDispatchMode", _WHY)
+    attr(base, "_should_skip_dynamo", "TorchDispatchMode", _WHY)  # the hook below overrides it
+    return _UNWRAPPED.setdefault(base, type("DispatchMode", (base,), {
+        "_should_skip_dynamo": classmethod(lambda cls: False), "__module__": __name__}))
+
+
+_UNWRAPPED: dict[type, type] = {}
 
 
 

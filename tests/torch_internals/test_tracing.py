@@ -78,6 +78,8 @@ def test_as_if_compiling_and_the_dispatch_mode() -> None:
     with Names():
         torch.empty(2, device="meta").relu()
     assert "aten::relu" in seen
+    # The handler runs as written: not in a frame that disables Dynamo (several us an op).
+    assert not hasattr(Names.__dict__["__torch_dispatch__"], "__wrapped__")
 
 
 def test_an_op_output_flattens_and_rebuilds() -> None:
