@@ -8,7 +8,9 @@ would replay a stale value), nodes ``check_capture_safety`` found a CUDA graph c
 nodes ``check_padding_safety`` found mixing token rows. Each attention or split op gets a partition of
 its own; a run of consecutive breaks of another kind shares one, whose reason names every op of the run.
 ``getitem`` nodes that unpack a break op's tuple stay with it. The split keeps the original node order
-(in-place ops stay where they were).
+(in-place ops stay where they were); it is ``split_module``'s, built in one walk by
+``analysis.ordered_split`` (partitions follow the graph order), or by ``split_module`` where that does
+not apply.
 
 Before::
 
@@ -51,6 +53,7 @@ from ppcompile.analysis.node_facts import (
     segments,
 )
 from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name
+from ppcompile.analysis.ordered_split import split_in_order
 from ppcompile.analysis.partitions import atomic_regions, fold_tiny_graphs
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
@@ -198,7 +201,8 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     for node, index in partition.items():
         if (region := TOKEN_LOCAL.get(node)) is not None:
             declared.setdefault(index, {})[region] = None
-    split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
+    split = split_in_order(gm, partition) or split_module(gm, gm, lambda n: partition[n],
+                                                           keep_original_order=True)
     for node in split.graph.find_nodes(op="call_module"):
         index = int(str(node.target).rsplit("_", 1)[1])
         submod = getattr(split, str(node.target))

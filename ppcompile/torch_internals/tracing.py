@@ -18,12 +18,13 @@ from ppcompile.torch_internals import shape_env_hints, symint_shape_env
 from ppcompile.torch_internals.lookup import attr, lookup
 
 __all__ = [
-    "as_if_compiling", "dispatch_mode", "has_default_codegen", "lazy_graph_module", "outside_fake_mode",
-    "python_dispatcher_off", "real_tensors_allowed", "shares_storage", "size_hint", "trace_attempt",
-    "tree_flatten", "tree_unflatten",
+    "as_if_compiling", "dispatch_mode", "free_symbols", "global_state_ops", "has_default_codegen",
+    "lazy_graph_module", "outside_fake_mode", "python_dispatcher_off", "real_tensors_allowed",
+    "shares_storage", "size_hint", "trace_attempt", "tree_flatten", "tree_unflatten",
 ]
 
 _WHY = "to stamp repeated layers out"
+_SPLIT = "to split a stage graph into segments"
 
 
 def trace_attempt() -> str | None:
@@ -115,6 +116,21 @@ def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.
     cls = lookup("torch.fx._lazy_graph_module", "_LazyGraphModule", "to defer a graph's code generation")
     gm: torch.fx.GraphModule = cls(root, graph)
     return gm
+
+
+def free_symbols(value: Any) -> set[Any]:
+    """The sympy symbols of a traced value's sizes, strides and numbers (empty for None)."""
+    if value is None:
+        return set()
+    found: set[Any] = lookup("torch.fx.experimental.symbolic_shapes", "free_symbols", _SPLIT)(value)
+    return found
+
+
+def global_state_ops() -> tuple[Any, ...]:
+    """The calls that switch grad mode or autocast in a Dynamo graph, which a split carries into every
+    partition they span."""
+    return (lookup("torch.amp", "_enter_autocast", _SPLIT), lookup("torch.amp", "_exit_autocast", _SPLIT),
+            lookup("torch._C", "_set_grad_enabled", _SPLIT))
 
 
 def has_default_codegen(graph: torch.fx.Graph) -> bool:
