@@ -20,7 +20,7 @@ import torch
 from ppcompile.analysis.node_facts import token_dim_sizes
 from ppcompile.analysis.op_matching import resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
-from ppcompile.torch_internals import OpOverload, OpOverloadPacket, tree_leaves
+from ppcompile.torch_internals import OpOverload, OpOverloadPacket
 
 __all__ = [
     "RULES",
@@ -88,8 +88,7 @@ def _touching(dims: list[int] | None, src: Any, what: str) -> str | None:
 def pointwise(node: torch.fx.Node) -> str | None:
     """Elementwise with broadcasting: each input token dim must land on the same output token dim."""
     out, rank = token_dim_sizes(node), _ndim(node)
-    flat = tree_leaves((node.args, node.kwargs))
-    for arg in flat:
+    for arg in node.all_input_nodes:  # only nodes have token dims
         for d, expr in token_dim_sizes(arg).items():
             o = d + rank - _ndim(arg)
             if out.get(o) != expr:

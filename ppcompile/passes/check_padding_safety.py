@@ -45,7 +45,6 @@ from ppcompile.errors import source_line
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
 from ppcompile.symbolic import SizeFn, example_value, first_decrease, shape_exprs
-from ppcompile.torch_internals import tree_leaves
 
 __all__ = ["PaddingSafetyError", "check_padding_safety"]
 
@@ -64,7 +63,7 @@ def _op_label(node: torch.fx.Node) -> str:
 def _touches_tokens(node: torch.fx.Node) -> bool:
     if token_dims(node):
         return True
-    return any(token_dims(a) for a in tree_leaves((node.args, node.kwargs)))
+    return any(token_dims(a) for a in node.all_input_nodes)
 
 
 def shrinking_token_size(
