@@ -32,6 +32,7 @@ import sympy
 import torch
 from torch.fx.node import map_arg
 
+from ppcompile.analysis.copied_calls import copy_node
 from ppcompile.torch_internals.tracing import free_symbols, global_state_ops, lazy_graph_module
 
 __all__ = ["split_in_order"]
@@ -79,10 +80,7 @@ def split_in_order(gm: torch.fx.GraphModule, partition: Mapping[Node, int]) -> t
     graphs = {p: _partition_graph(inputs[p]) for p in order}
     for node in calls:
         graph, env = graphs[partition[node]]
-        copy = graph.create_node(node.op, node.target, map_arg(node.args, env.__getitem__),
-                                 map_arg(node.kwargs, env.__getitem__), type_expr=node.type)
-        copy.meta = node.meta.copy()
-        env[node] = copy
+        env[node] = copy_node(graph, node, env.__getitem__, node.meta.copy(), keep_name=False)
     return _stitch(gm, order, graphs, inputs, outputs)
 
 
