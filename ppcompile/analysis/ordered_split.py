@@ -26,7 +26,6 @@ import inspect
 import itertools
 import operator
 from collections.abc import Mapping
-from typing import Any
 
 import sympy
 import torch
@@ -88,15 +87,11 @@ def _applies(gm: torch.fx.GraphModule, calls: list[Node], partition: Mapping[Nod
     switches = global_state_ops()
     if any(n.op == "call_module" or n.target in switches for n in calls):
         return False
-    if any("." in str(n.target) or isinstance(_attribute(gm, str(n.target)), torch.nn.Module)
+    if any("." in str(n.target) or isinstance(getattr(gm, str(n.target)), torch.nn.Module)
            for n in gm.graph.find_nodes(op="get_attr")):
         return False
     indices = [partition[n] for n in calls]
     return all(a <= b for a, b in itertools.pairwise(indices))
-
-
-def _attribute(gm: torch.fx.GraphModule, name: str) -> Any:
-    return getattr(gm, name)
 
 
 def _symbol_bindings(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, Node]:
@@ -139,7 +134,7 @@ def _stitch(
             if value.op == "get_attr" and value not in env:
                 env[value] = base.get_attr(str(value.target))
                 env[value].meta = value.meta.copy()
-                setattr(root, str(value.target), _attribute(gm, str(value.target)))
+                setattr(root, str(value.target), getattr(gm, str(value.target)))
         name = f"submod_{p}"
         setattr(root, name, lazy_graph_module(torch.nn.Module(), graph))
         call = base.call_module(name, tuple(env[v] for v in inputs[p]))

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from fx_helpers import dynamo_graph
 from torch.fx.passes.split_module import split_module
 
 from ppcompile.analysis.ordered_split import split_in_order
-from tests.fx_helpers import dynamo_graph
 
 Node = torch.fx.Node
 
