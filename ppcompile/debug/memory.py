@@ -104,7 +104,7 @@ def segment_memory(submod: torch.fx.GraphModule, token_symbol: sympy.Symbol | No
 
 def memory_section(runtime: StageRuntime, buffers: list[dict[str, Any]],
                    segments: Mapping[str, SegmentMemory], records: list[Any]) -> dict[str, Any]:
-    static = sum(b["bytes"] for b in buffers)
+    static = sum(b["bytes"] for b in buffers if b.get("shares_memory_with") is None)
     mems = list(segments.values())
     per_bucket = [sum(m.output_bytes(b) for m in mems) for b in runtime.plan.sizes]
     executor = EXECUTORS.get(runtime.graph_mode)  # its buckets may share graph output memory
@@ -120,7 +120,8 @@ def memory_section(runtime: StageRuntime, buffers: list[dict[str, Any]],
         "estimated_graph_bytes": static + outputs + transient if mems else None,
         "captured_output_bytes": sum(r.output_bytes for r in done) if done else None,
         "measured_graph_bytes": sum(measured) if measured else None,
-        "note": "estimate per captured instance: static buffers at the cap + graph outputs (the buckets "
+        "note": "estimate per captured instance: static buffers at the cap (bridges that share one "
+                "counted once) + graph outputs (the buckets "
                 "share one pool: the largest bucket's) + the largest segment's peak intermediates at the "
                 "cap; measured: CUDA caching-allocator growth over capture (GPU only)",
     }

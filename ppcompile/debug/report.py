@@ -181,6 +181,8 @@ def _buffers(runtime: StageRuntime) -> tuple[list[dict[str, Any]], dict[int, str
             "device": str(buf.device),
             "token_dims": list(buf.token_dims),
             "bytes": buf.nbytes,
+            "shares_memory_with": None if plan.shares_with is None else
+            program.buffers[plan.shares_with].spec.name,
             "read_by": [st.segment.name for st in program.graph_steps
                         if any(r.slot == slot for r in st.args)],
             "written_by": [st.segment.name for st in program.break_steps

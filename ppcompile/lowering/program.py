@@ -6,6 +6,7 @@ fill. Everything the runtime and the reports need about the data path is decided
 graph outputs breaks or callers read at the live size (``GraphStep.live_views``), which static values a
 graph writes in place, each static buffer's plan (``BufferPlan``: role, traced layout, bucket views),
 and each copy point (``CopyPoint``: the buffers it fills after which break, which of them are fused).
+Bridges that are never live at once share a buffer (``bridge_memory.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sympy
 import torch
 
 from ppcompile.analysis import node_facts
+from ppcompile.lowering.bridge_memory import share_bridge_memory
 from ppcompile.records import Segment
 from ppcompile.runtime.program import (
     BreakStep,
@@ -228,7 +230,7 @@ def build_program(split: torch.fx.GraphModule, compiled: dict[str, Callable[...,
         steps=tuple(steps),
         outputs=outputs,
         token_dims=token_dims,
-        buffers=buffers,
+        buffers=share_bridge_memory(buffers, steps),
         copy_in=copy_in,
         input_layouts=(input_layouts := {slots[p]: (p.name, TensorLayout.of(ev)) for p in placeholders
                                          if isinstance(ev := example_value(p), torch.Tensor)}),

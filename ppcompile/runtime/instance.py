@@ -46,8 +46,11 @@ class StageInstance:
         # Strong references: the graphs read them (and bake scalars).
         self.module_state = tuple(args[i] for i in (*compiled.state_slots, *compiled.scalar_slots))
         self.executor: GraphExecutor = make_executor(compiled.graph_mode, debug, self._device(), agreement)
-        # Static buffers by slot, in the plan's order (inputs, then bridges), in their traced layout.
-        self._buffers = {s: plan.allocate(env_max) for s, plan in program.buffers.items()}
+        # Static buffers by slot, in the plan's order (inputs, then bridges), in their traced layout; a
+        # bridge that shares an earlier one's buffer is that buffer.
+        owned = {s: plan.allocate(env_max) for s, plan in program.buffers.items() if plan.shares_with is None}
+        self._buffers = {s: owned[s if plan.shares_with is None else plan.shares_with]
+                         for s, plan in program.buffers.items()}
         # One fused copier per copy point (``Program.copy_points``), or None: per-tensor torch ops.
         self.copiers: tuple[Callable[..., None] | None, ...] | None = self._copiers(copy_kernel)
         self.tables: dict[int, list[Any]] = {}  # bucket -> slot table
@@ -88,7 +91,7 @@ class StageInstance:
 
     def static_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor calls write: static inputs, bridges, captured graph outputs, the output ring."""
-        yield from self._buffers.values()
+        yield from {id(t): t for t in self._buffers.values()}.values()  # bridges may share one
         if self.ring is not None:
             for ring_slot in self.ring.slots:
                 yield from ring_slot.buffers

@@ -76,6 +76,9 @@ class BufferPlan:
     token_dims: TokenDims
     layout: TensorLayout | None = None
     per_bucket_strides: bool = False  # :func:`follows_token_count`: each bucket views it with its strides
+    # A bridge that reuses the buffer of the bridge in this slot (same layout; their live ranges do not
+    # overlap): ``lowering/bridge_memory.py``.
+    shares_with: int | None = None
 
     @property
     def role(self) -> str:

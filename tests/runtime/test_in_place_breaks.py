@@ -251,6 +251,9 @@ def test_a_graph_writing_a_bridged_value_in_place_is_read_back_by_the_break_afte
     program = _runtime().program
     (writer,) = [st for st in program.graph_steps if st.writes_buffers]
     assert writer.segment.is_graph and writer.writes_buffers == tuple(program.bridge_buffers)[:1]
+    # The output and the break after the writer read the written bridge's buffer: the next bridge must
+    # not reuse it (lowering/bridge_memory.py).
+    assert all(plan.shares_with is None for plan in program.buffers.values())
 
 
 def test_without_reading_back_a_graphs_writes_the_break_after_it_reads_stale_rows() -> None:
