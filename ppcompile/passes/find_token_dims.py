@@ -115,13 +115,19 @@ def find_token_dims(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, modified=False)
 
     others: set[sympy.Symbol] = set()
+    # By traced value: the copies of a stamped layer's ops share their exemplar's traced values.
+    dims_of: dict[int, tuple[tuple[int, sympy.Expr], ...]] = {}
     for node in gm.graph.nodes:
         value = example_value(node)
         if isinstance(value, torch.Tensor):
-            exprs = shape_exprs(value)
-            TOKEN_DIMS.set(node, tuple((d, e) for d, e in enumerate(exprs) if token in e.free_symbols))
-            for e in exprs:
-                others.update(e.free_symbols - {token})
+            dims = dims_of.get(id(value))
+            if dims is None:
+                exprs = shape_exprs(value)
+                dims = dims_of[id(value)] = tuple((d, e) for d, e in enumerate(exprs)
+                                                  if token in e.free_symbols)
+                for e in exprs:
+                    others.update(e.free_symbols - {token})
+            TOKEN_DIMS.set(node, dims)
         elif (expr := size_value_expr(value)) is not None:
             SIZE_EXPR.set(node, expr)
             others.update(expr.free_symbols - {token})
