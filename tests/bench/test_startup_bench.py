@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from bench import startup
 from bench.compile_time import WARM_START
 from bench.report import machine_info
 from bench.startup import COMPILERS, RESTARTS, render
@@ -66,3 +69,23 @@ def test_the_report_says_which_targets_are_met() -> None:
     assert "- MoE stage, 32 layers, eager + once (regions) vs flat: Dynamo trace 0.33x, first call 0.33x." \
         in text
     assert "- MoE stage, 32 layers, eager + once vs flat: Dynamo trace 0.25x, first call 0.25x." in text
+
+
+def test_cold_rows_take_their_repeats_in_rounds_and_keep_the_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round runs every cold row once, so a drift of the machine's speed reaches the 4- and 32-layer
+    rows alike; each row keeps its fastest process."""
+    calls: list[tuple[int, str, int]] = []
+
+    def child(layers: int, compiler: str, env: dict[str, str], max_tokens: int | None, capture: str,
+              experts: int = 0) -> dict[str, Any]:
+        calls.append((layers, compiler, experts))
+        return {"layers": layers, "compiler": compiler, "total": 10.0 - len(calls) % 3}
+
+    monkeypatch.setattr(startup, "_child", child)
+    best = startup._cold_rows([4, 32], 3, {}, None, "lazy")
+    kinds = [(n, c, 0) for n in (4, 32) for c in COMPILERS] + [
+        (n, c, startup.MOE_EXPERTS) for n in (4, 32) for c in startup.MOE_COMPILERS]
+    assert calls == kinds * 3
+    for kind in kinds:
+        totals = [10.0 - (i + 1) % 3 for i, call in enumerate(calls) if call == kind]
+        assert best[kind]["total"] == min(totals)
