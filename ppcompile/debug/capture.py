@@ -20,7 +20,8 @@ from ppcompile.runtime.observer import BucketCapture, CaptureRecord, CaptureStar
 if TYPE_CHECKING:
     from ppcompile.runtime.stage_runtime import StageRuntime
 
-__all__ = ["BucketCapture", "CaptureRecord", "CaptureRecorder", "capture_records", "format_bytes"]
+__all__ = ["BucketCapture", "CaptureRecord", "CaptureRecorder", "buffer_bytes", "capture_records",
+           "format_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +79,10 @@ def format_bytes(n: int | float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GiB"  # pragma: no cover
+
+
+def buffer_bytes(buffer: dict[str, Any]) -> str:
+    """A static buffer's size as the stage report lists it (``report["static_buffers"]``), or the bridge
+    whose memory it reuses."""
+    owner = buffer.get("shares_memory_with")
+    return format_bytes(buffer["bytes"]) if owner is None else f"in {owner}'s"

@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any
 
-from ppcompile.debug.capture import format_bytes
+from ppcompile.debug.capture import buffer_bytes, format_bytes
 
 __all__ = ["KIND_COLORS", "render_html"]
 
@@ -313,7 +313,7 @@ def _buffer_table(report: dict[str, Any]) -> str:
         rows.append(f"<tr data-segs='{_e(segs)}'><td><code>{_e(b['name'])}</code></td>"
                     f"<td>{_e(b['role'])}</td>"
                     f"<td class='nw'>{_e(tuple(b['shape']))}</td><td>{_e(b['dtype'])}</td>"
-                    f"<td class='num'>{_e(format_bytes(b['bytes']))}</td>"
+                    f"<td class='num'>{_e(buffer_bytes(b))}</td>"
                     f"<td>{_e(', '.join(b['written_by']) or 'copy-in')} &rarr; "
                     f"{_e(', '.join(b['read_by']))}</td></tr>")
     if not rows:
@@ -343,7 +343,7 @@ def _cards(report: dict[str, Any]) -> str:
         (f"{len(segs)}", f"segments ({graphs} graph, {len(segs) - graphs} break)"),
         (f"{len(b['sizes'])}", f"buckets, cap {b['cap']}"),
         (f"{cap['count']}" if cap["captured"] else "-", "graphs captured"),
-        (format_bytes(sum(x["bytes"] for x in report["static_buffers"])),
+        (format_bytes(sum(x["bytes"] for x in report["static_buffers"] if not x.get("shares_memory_with"))),
          f"{len(report['static_buffers'])} static buffers"),
         (format_bytes(mem["estimated_graph_bytes"]), "estimated graph memory"),
         (format_bytes(mem["measured_graph_bytes"]) if mem["measured_graph_bytes"] is not None else "n/a",

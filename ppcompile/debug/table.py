@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ppcompile.debug.capture import format_bytes
+from ppcompile.debug.capture import buffer_bytes, format_bytes
 
 __all__ = ["format_ids", "format_report", "format_table"]
 
@@ -56,7 +56,7 @@ def _segments(report: dict[str, Any]) -> str:
 
 
 def _buffers(report: dict[str, Any]) -> str:
-    rows = [[b["name"], b["role"], "x".join(map(str, b["shape"])), b["dtype"], format_bytes(b["bytes"]),
+    rows = [[b["name"], b["role"], "x".join(map(str, b["shape"])), b["dtype"], buffer_bytes(b),
              ",".join(b["written_by"]) or "copy-in", ",".join(b["read_by"])]
             for b in report["static_buffers"]]
     if not rows:

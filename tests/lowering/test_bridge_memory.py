@@ -18,6 +18,9 @@ from torch import nn
 
 import ppcompile
 from ppcompile.debug import build_report
+from ppcompile.debug.capture import format_bytes
+from ppcompile.debug.html import render_html
+from ppcompile.debug.table import format_report
 from ppcompile.lowering import program
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.runtime.static_buffers import BufferPlan
@@ -131,6 +134,11 @@ def test_bridges_of_a_chain_of_layers_share_one_buffer_and_match_eager() -> None
     one_bridge = bridges[0]["bytes"]
     inputs = sum(b["bytes"] for b in report["static_buffers"] if b["role"] == "input")
     assert report["memory"]["static_buffer_bytes"] == inputs + one_bridge
+    assert format_report(report).count(f"in {bridges[0]['name']}'s") == 3  # the text report's bytes column
+    page = render_html(report)
+    assert page.count(f"in {bridges[0]['name']}&#x27;s") == 3
+    card = f"<div class='v'>{format_bytes(inputs + one_bridge)}</div><div class='k'>"
+    assert f"{card}{len(report['static_buffers'])} static buffers</div>" in page  # shared memory once
 
 
 def test_bridges_live_at_once_keep_their_own_buffers() -> None:
