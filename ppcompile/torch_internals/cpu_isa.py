@@ -5,7 +5,9 @@ ISA the CPU's flags name, it compiles a probe library and loads it in a child Py
 A restart that only loads stored kernels would pay that for an answer the storing process already had.
 :func:`probed_vec_isas` takes the storing process's answer with the toolchain it holds for (compiler,
 torch, machine); :func:`adopt_vec_isas` makes it this process's answer when the toolchain and the
-CPU's candidate ISAs are the same here, and otherwise leaves the probe to run as usual.
+CPU's candidate ISAs are the same here, and otherwise leaves the probe to run as usual. Adopting skips
+each ISA's own probe; Inductor's AVX-512 ISAs then still probe the features they build with (bf16, VNNI,
+AMX) where the CPU reports them, as they do after their own probe.
 """
 
 from __future__ import annotations

@@ -254,10 +254,11 @@ from torch._inductor import cpu_vec_isa
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
 cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
                   head_dim=8, num_layers=4)
-probes = []  # Inductor's CPU vector-ISA probes in this process
+probes = []  # Inductor's CPU vector-ISA probes in this process (each ISA's own, not the AVX-512 features)
 build = cpu_vec_isa.VecISA.check_build
 def counted(self, code):
-    probes.append(str(self))
+    if code == cpu_vec_isa.VecISA._avx_code:
+        probes.append(str(self))
     return build(self, code)
 cpu_vec_isa.VecISA.check_build = counted
 torch.manual_seed(0)

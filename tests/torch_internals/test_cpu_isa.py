@@ -1,4 +1,5 @@
-"""ppcompile.torch_internals.cpu_isa: a probe answer is adopted only where it holds, and then no probe runs.
+"""ppcompile.torch_internals.cpu_isa: a probe answer is adopted only where it holds, and then no ISA's own
+probe runs.
 
 Each check runs in a fresh process: Inductor memoises its probe answer for the process.
 """
@@ -20,10 +21,11 @@ import dataclasses, json, sys
 from torch._inductor import config, cpu_vec_isa
 from ppcompile.torch_internals.cpu_isa import ProbedVecIsas, adopt_vec_isas, probed_vec_isas
 
-probes = []
+probes = []  # each ISA's own probe
+features = []  # the AVX-512 family's probes of a feature (bf16, VNNI, AMX) once the ISA's own passed
 build = cpu_vec_isa.VecISA.check_build
 def counted(self, code):
-    probes.append(str(self))
+    (probes if code == cpu_vec_isa.VecISA._avx_code else features).append(str(self))
     return build(self, code)
 cpu_vec_isa.VecISA.check_build = counted
 '''
@@ -31,7 +33,7 @@ cpu_vec_isa.VecISA.check_build = counted
 _PROBE = _COUNTED + '''
 before = probed_vec_isas()
 picked = str(cpu_vec_isa.pick_vec_isa())
-print(json.dumps({"before": before is None, "picked": picked, "probes": probes,
+print(json.dumps({"before": before is None, "picked": picked, "probes": probes, "features": features,
                   "probed": dataclasses.asdict(probed_vec_isas())}))
 '''
 
@@ -48,7 +50,7 @@ adopted = adopt_vec_isas(answer)
 picked = str(cpu_vec_isa.pick_vec_isa())
 print(json.dumps({"user_decides": user_decides, "other_toolchain": other_toolchain, "other_isas": other_isas,
                   "still_unprobed": still_unprobed, "adopted": adopted, "again": adopt_vec_isas(answer),
-                  "picked": picked, "probes": probes, "none": adopt_vec_isas(None)}))
+                  "picked": picked, "probes": probes, "features": features, "none": adopt_vec_isas(None)}))
 '''
 
 
@@ -72,4 +74,7 @@ def test_a_fresh_process_adopts_a_probe_answer_that_holds_and_runs_no_probe() ->
     assert second["still_unprobed"]  # a refusal leaves the probe to Inductor
     assert second["adopted"] and not second["again"] and not second["none"]
     assert second["picked"] == first["picked"]
-    assert second["probes"] == []  # Inductor picked its ISA without probing
+    assert second["probes"] == []  # Inductor picked its ISA without probing it
+    # An AVX-512 CPU's feature probes run as they did in the first process: they set the flags
+    # kernels build with (adopting skips each ISA's own probe only).
+    assert sorted(second["features"]) == sorted(first["features"])
