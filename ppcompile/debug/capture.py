@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ppcompile.runtime.stage_runtime import StageRuntime
 
 __all__ = ["BucketCapture", "CaptureRecord", "CaptureRecorder", "buffer_bytes", "capture_records",
-           "format_bytes"]
+           "format_bytes", "owned_buffer_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -86,3 +86,9 @@ def buffer_bytes(buffer: dict[str, Any]) -> str:
     whose memory it reuses."""
     owner = buffer.get("shares_memory_with")
     return format_bytes(buffer["bytes"]) if owner is None else f"in {owner}'s"
+
+
+def owned_buffer_bytes(buffers: list[dict[str, Any]]) -> int:
+    """Bytes the stage report's static buffers (``report["static_buffers"]``) hold, each shared bridge
+    buffer once."""
+    return sum(b["bytes"] for b in buffers if b.get("shares_memory_with") is None)

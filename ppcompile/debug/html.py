@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any
 
-from ppcompile.debug.capture import buffer_bytes, format_bytes
+from ppcompile.debug.capture import buffer_bytes, format_bytes, owned_buffer_bytes
 
 __all__ = ["KIND_COLORS", "render_html"]
 
@@ -343,7 +343,7 @@ def _cards(report: dict[str, Any]) -> str:
         (f"{len(segs)}", f"segments ({graphs} graph, {len(segs) - graphs} break)"),
         (f"{len(b['sizes'])}", f"buckets, cap {b['cap']}"),
         (f"{cap['count']}" if cap["captured"] else "-", "graphs captured"),
-        (format_bytes(sum(x["bytes"] for x in report["static_buffers"] if not x.get("shares_memory_with"))),
+        (format_bytes(owned_buffer_bytes(report["static_buffers"])),
          f"{len(report['static_buffers'])} static buffers"),
         (format_bytes(mem["estimated_graph_bytes"]), "estimated graph memory"),
         (format_bytes(mem["measured_graph_bytes"]) if mem["measured_graph_bytes"] is not None else "n/a",

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 import torch
 
+from ppcompile.debug.capture import owned_buffer_bytes
 from ppcompile.runtime.executors import EXECUTORS
 from ppcompile.symbolic import SizeFn, example_value, size_expr, size_hints
 
@@ -104,7 +105,7 @@ def segment_memory(submod: torch.fx.GraphModule, token_symbol: sympy.Symbol | No
 
 def memory_section(runtime: StageRuntime, buffers: list[dict[str, Any]],
                    segments: Mapping[str, SegmentMemory], records: list[Any]) -> dict[str, Any]:
-    static = sum(b["bytes"] for b in buffers if b.get("shares_memory_with") is None)
+    static = owned_buffer_bytes(buffers)
     mems = list(segments.values())
     per_bucket = [sum(m.output_bytes(b) for m in mems) for b in runtime.plan.sizes]
     executor = EXECUTORS.get(runtime.graph_mode)  # its buckets may share graph output memory
