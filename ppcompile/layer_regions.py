@@ -7,7 +7,8 @@ it. With ``stamp=False`` it wraps the repeated modules of the stage (its decoder
 them that are alike in every layer) as ``torch.compiler.nested_compile_region`` calls instead: Dynamo
 traces the first call and stamps its subgraph out for the others, and the backend's first pass inlines
 every call again. Either way the split, the buckets and the results are those of a flat trace, and the
-model's code is not changed; each layer (or wrapped module) gets an instance ``forward``.
+model's code is not changed: a stamped layer's class becomes a subclass of its own (with the
+stamping ``forward``), a wrapped module gets an instance ``forward``.
 
 What decides where the regions go with ``stamp=False`` (the traps a region must avoid):
 
@@ -113,8 +114,8 @@ def trace_layers_once(
 ) -> nn.Module:
     """Makes Dynamo trace each distinct repeated layer of ``stage`` once (see the module docstring).
 
-    Apply before ``torch.compile``; changes ``stage`` in place (instance ``forward`` attributes, and a
-    stamped layer's handle in ``_ppcompile_stamp``) and returns it. A second call does nothing. Logs
+    Apply before ``torch.compile``; changes ``stage`` in place (a stamped layer's class and its handle in
+    ``_ppcompile_stamp``; a region's instance ``forward``) and returns it. A second call does nothing. Logs
     the plan at INFO; :func:`layer_region_plans` returns it.
     ``stamp``: stamp whole layers out (``ppcompile.layer_stamps``); False makes regions instead.
     ``min_region_modules`` (regions only): the fewest modules with parameters of their own a region's

@@ -37,8 +37,10 @@ from ppcompile.torch_internals.tracing import (
     tree_unflatten,
 )
 
-__all__ = ["Substitution", "compare_layers", "decode_arguments", "encode_arguments", "named_state",
-           "tensor_key"]
+__all__ = ["LAYER_CLASS", "Substitution", "compare_layers", "decode_arguments", "encode_arguments",
+           "named_state", "own_forward", "tensor_key"]
+
+LAYER_CLASS = "_ppcompile_layer_class"  # a stamped layer's class (ppcompile's subclass) -> the layer's own
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d_functional"})
 _CANNOT_RUN = "cannot run on"
@@ -131,6 +133,13 @@ def _value(text: str, tensors: Sequence[Any], at: list[int]) -> Any:
     return ast.literal_eval(text[1:])
 
 
+def own_forward(layer: nn.Module) -> Any:
+    """The ``forward`` of ``layer``'s own class, also for a stamped layer (whose class is a subclass
+    ``layer_stamps`` made, with a stamping ``forward``)."""
+    cls = type(layer)
+    return getattr(cls, LAYER_CLASS, cls).forward
+
+
 def named_state(layer: nn.Module) -> dict[str, torch.Tensor]:
     """``layer``'s parameters and buffers by name, shared ones under each of their names."""
     return dict([*layer.named_parameters(remove_duplicate=False),
@@ -195,7 +204,7 @@ def _record(layer: nn.Module, layout: str, static: Sequence[tuple[Any, ...]], on
             recorder = _Recorder(state, inputs, on_meta, guide)
             args, kwargs = decode_arguments(layout, inputs)
             with recorder:
-                out = type(layer).forward(layer, *args, **kwargs)
+                out = own_forward(layer)(layer, *args, **kwargs)
     except Exception as e:  # any failure keeps the layer flat; the reason says what failed
         return f"{_CANNOT_RUN} {kind} tensors ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     if recorder.written:  # stamped, its op would run on copies under other backends and lose the write

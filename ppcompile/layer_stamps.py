@@ -1,7 +1,7 @@
 """Stamped layers: Dynamo traces one layer of a group; each other layer reaches the graph as one op.
 
-``trace_layers_once(stage)`` gives every layer of a group of alike layers an instance
-``forward`` that, while Dynamo traces, does one of three things:
+``trace_layers_once(stage)`` gives every layer of a group of alike layers a class of ppcompile's, a
+subclass of its own (``Stamped<Class>``), whose ``forward`` while Dynamo traces does one of three things:
 
 - **exemplar** (the group's first layer called in the trace with this layout of arguments): runs its own
   code, traced op by op as in a flat trace, between ``ppcompile::layer_input`` and
@@ -30,13 +30,16 @@ Other backends run ``stamped_layer`` as the layer's own ``forward`` on copies of
 that writes its input is never stamped). A refused layer's call, which nothing reads, is dropped by
 backends that remove dead code (``aot_eager``, ``inductor``); ``eager`` runs it. Outside
 ``torch.compile`` the layers run their own ``forward``.
+
+The stamping ``forward`` is the class's, not an instance attribute: Dynamo then calls it straight, where
+an instance ``forward`` makes it trace ``nn.Module.__call__`` and its hook checks for every layer. A copy
+(``copy.deepcopy``, pickling) is a plain layer of its own class.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import types
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -45,10 +48,12 @@ import torch
 from torch import nn
 
 from ppcompile.layer_stamp_checks import (
+    LAYER_CLASS,
     Substitution,
     compare_layers,
     decode_arguments,
     encode_arguments,
+    own_forward,
     tensor_key,
 )
 from ppcompile.region_ops import region_write_back
@@ -63,6 +68,7 @@ _LAYERS: dict[str, weakref.ref[nn.Module]] = {}  # handle -> layer
 _GROUP_OF: dict[str, str] = {}  # handle -> its group's name
 _GROUPS = 0
 _HANDLE = "_ppcompile_stamp"  # a stamped layer's attribute: its handle
+_STAMPED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}  # a layer class -> its stamped subclass
 
 
 @dataclasses.dataclass
@@ -133,8 +139,31 @@ def install_stamps(names: Sequence[str], modules: Sequence[nn.Module]) -> str:
         _LAYERS[handle] = weakref.ref(module)
         _GROUP_OF[handle] = group
         setattr(module, _HANDLE, handle)
-        module.forward = types.MethodType(_stamped_forward, module)
+        module.__class__ = _stamped_class(type(module))
     return group
+
+
+def _stamped_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls``'s subclass with the stamping ``forward`` (one per class, shared by its groups); ``cls``
+    itself if it is one (a module holding a stamped stage stamped again)."""
+    if LAYER_CLASS in vars(cls):
+        return cls
+    stamped = _STAMPED_CLASSES.get(cls)
+    if stamped is None:
+        namespace = {"forward": _stamped_forward, "__reduce_ex__": _reduce_as_own_class, LAYER_CLASS: cls,
+                     "__module__": __name__, "__doc__": f"{cls.__qualname__}, stamped by trace_layers_once."}
+        metaclass: Any = type(cls)  # a layer class's own metaclass, if it has one, makes its subclass
+        stamped = _STAMPED_CLASSES[cls] = metaclass(f"Stamped{cls.__name__}", (cls,), namespace)
+    return stamped
+
+
+def _reduce_as_own_class(self: nn.Module, protocol: Any) -> Any:
+    """Pickles (and deep-copies) a stamped layer as a plain one of its own class, without its handle;
+    loading it needs no ppcompile."""
+    state = self.__getstate__()
+    if isinstance(state, dict):
+        state = {k: v for k, v in state.items() if k != _HANDLE}
+    return object.__new__, (getattr(type(self), LAYER_CLASS),), state
 
 
 # ------------------------------------------------------------------------------------------ at trace time
@@ -177,11 +206,11 @@ def _stamped_output(handle: str, layout: str) -> tuple[str, str]:
 
 
 def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Every stamped layer's ``forward``: one function for all of them, so Dynamo guards each layer on
-    its handle alone. A stamped layer's path reads nothing else of the layer (its class's ``forward``
-    neither: Dynamo would guard it)."""
+    """Every stamped class's ``forward``: one function for all of them, so Dynamo guards each layer on
+    its handle alone. A stamped layer's path reads nothing else of the layer (its own class's
+    ``forward`` neither: Dynamo would guard it)."""
     if not torch.compiler.is_compiling():
-        return type(self).forward(self, *args, **kwargs)
+        return own_forward(self)(self, *args, **kwargs)
     handle: str = getattr(self, _HANDLE)
     positional = not kwargs and len(args) < len(_ALL_TENSORS)
     for x in args:  # a loop here: Dynamo would inline a call of all() as a function of its own
@@ -193,15 +222,15 @@ def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     else:
         encoded = encode_arguments(args, kwargs)
     if encoded is None or not encoded[1]:
-        return type(self).forward(self, *args, **kwargs)
+        return own_forward(self)(self, *args, **kwargs)
     layout, tensors = encoded
     role = _role(handle, layout)
     if role == "flat":
-        return type(self).forward(self, *args, **kwargs)
+        return own_forward(self)(self, *args, **kwargs)
     if role == "exemplar":
         marked = [layer_input(x, handle, i) for i, x in enumerate(tensors)]
         copies = iter(marked)
-        out = type(self).forward(self, *_swap_tensors(args, copies), **dict(zip(kwargs, _swap_tensors(
+        out = own_forward(self)(self, *_swap_tensors(args, copies), **dict(zip(kwargs, _swap_tensors(
             tuple(kwargs.values()), copies))))
         for x, copy in zip(tensors, marked):  # the layer may have written its input's copy
             region_write_back(x, copy)
@@ -209,7 +238,7 @@ def _stamped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     outs = _STAMPED(tensors, handle, layout)  # its fake kernel checks the layer first
     kind, mask = _stamped_output(handle, layout)
     if not kind:  # the check failed: the call above has no users, and expand_stamped_layers drops it
-        return type(self).forward(self, *args, **kwargs)
+        return own_forward(self)(self, *args, **kwargs)
     if kind == "T":
         return outs[0]
     if "N" not in mask:  # no None in the output: built here, where Dynamo would inline _refill
@@ -307,7 +336,7 @@ def stamped_layer(inputs: list[torch.Tensor], handle: str, layout: str) -> list[
     tensor outputs copied. ``expand_stamped_layers`` replaces each call by the layer's own ops."""
     layer = layer_of(handle)
     args, kwargs = decode_arguments(layout, [x.clone() for x in inputs])
-    out = type(layer).forward(layer, *args, **kwargs)
+    out = own_forward(layer)(layer, *args, **kwargs)
     outs = [out] if isinstance(out, torch.Tensor) else [v for v in out if isinstance(v, torch.Tensor)]
     return [o.clone() for o in outs]
 

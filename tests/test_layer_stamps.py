@@ -5,6 +5,8 @@ its check refuses is traced flat, with the reason logged."""
 
 from __future__ import annotations
 
+import copy
+import io
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -242,6 +244,53 @@ def test_other_backends_run_stamped_layers_as_their_own_forward(backend: str) ->
     x = torch.randn(3, 8)
     torch.testing.assert_close(stack(x), _PlainStack(_Plain)(x), atol=0, rtol=0)  # eagerly: as before
     _compile_and_compare(stack, _PlainStack(_Plain), backend)
+
+
+def test_stamped_layers_take_the_stamping_forward_from_their_class() -> None:
+    """Dynamo calls a module's ``forward`` straight only where the instance has none of its own; with an
+    instance ``forward`` it traces ``nn.Module.__call__`` and its hook checks for every layer. Stamping
+    gives each layer a subclass of its own class instead, and leaves that class as it was."""
+    own = _Plain.forward
+    stack = ppcompile.trace_layers_once(_PlainStack(_Plain), stamp=True)
+    assert len({type(layer) for layer in stack.layers}) == 1
+    for layer in stack.layers:
+        assert "forward" not in vars(layer)
+        assert isinstance(layer, _Plain) and type(layer).__name__ == "Stamped_Plain"
+    assert _Plain.forward is own and type(_Plain(8, 0)) is _Plain
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(stack(x), _PlainStack(_Plain)(x), atol=0, rtol=0)
+
+
+def test_a_module_holding_a_stamped_stage_can_be_stamped_again() -> None:
+    """The layers keep one stamped class, and the outer module's trace stamps them out."""
+    inner = ppcompile.trace_layers_once(_PlainStack(_Plain), stamp=True)
+    stamped_class = type(inner.layers[0])
+    outer = ppcompile.trace_layers_once(nn.Sequential(inner), stamp=True)
+    assert all(type(layer) is stamped_class for layer in inner.layers)
+    before = ppcompile.stage_runtimes()
+    _compile_and_compare(outer, nn.Sequential(_PlainStack(_Plain)))
+    assert [rt.compiled.record.stamped_layers for rt in new_runtimes(before)] == [3]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_a_stamped_stage_has_plain_layers(how: str) -> None:
+    """A copy is no stamped stage (``trace_layers_once`` applies to the module it was given): its layers
+    are of their own class, with nothing of the original's stamps, and compile as a flat trace."""
+    stack = ppcompile.trace_layers_once(_PlainStack(_Plain), stamp=True)
+    if how == "deepcopy":
+        copied = copy.deepcopy(stack)
+    else:
+        buffer = io.BytesIO()
+        torch.save(stack, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    plain = _Plain(8, 0)
+    for layer in copied.layers:
+        assert type(layer) is _Plain and set(vars(layer)) == set(vars(plain))
+    assert all(type(layer) is not _Plain for layer in stack.layers)  # the original stays stamped
+    before = ppcompile.stage_runtimes()
+    _compile_and_compare(copied, _PlainStack(_Plain))
+    assert [rt.compiled.record.stamped_layers for rt in new_runtimes(before)] == [0]
 
 
 def test_plan_says_the_group_is_stamped() -> None:
