@@ -7,8 +7,8 @@ it. With ``stamp=False`` it wraps the repeated modules of the stage (its decoder
 them that are alike in every layer) as ``torch.compiler.nested_compile_region`` calls instead: Dynamo
 traces the first call and stamps its subgraph out for the others, and the backend's first pass inlines
 every call again. Either way the split, the buckets and the results are those of a flat trace, and the
-model's code is not changed: a stamped layer's class becomes a subclass of its own (with the
-stamping ``forward``), a wrapped module gets an instance ``forward``.
+model's code is not changed: a stamped layer's class (and its ``nn.ModuleList``'s) becomes a subclass
+of its own, a wrapped module gets an instance ``forward``.
 
 What decides where the regions go with ``stamp=False`` (the traps a region must avoid):
 
@@ -114,8 +114,9 @@ def trace_layers_once(
 ) -> nn.Module:
     """Makes Dynamo trace each distinct repeated layer of ``stage`` once (see the module docstring).
 
-    Apply before ``torch.compile``; changes ``stage`` in place (a stamped layer's class and its handle in
-    ``_ppcompile_stamp``; a region's instance ``forward``) and returns it. A second call does nothing. Logs
+    Apply before ``torch.compile``; changes ``stage`` in place (the classes of stamped layers and of
+    their ``nn.ModuleList``, a stamped layer's handle in ``_ppcompile_stamp``; a region's instance
+    ``forward``) and returns it. A second call does nothing. Logs
     the plan at INFO; :func:`layer_region_plans` returns it.
     ``stamp``: stamp whole layers out (``ppcompile.layer_stamps``); False makes regions instead.
     ``min_region_modules`` (regions only): the fewest modules with parameters of their own a region's
@@ -149,7 +150,7 @@ def trace_layers_once(
                 ("", f"{patched} has a forward of its own (an instance attribute) that stamping would "
                      "bypass"),))
         elif stamp:
-            install_stamps(names, modules)
+            install_stamps(names, modules, stage.get_submodule(names[0].rpartition(".")[0]))
             plan = LayerRegionPlan(tuple(names), _class_name(type(modules[0])), (), (), stamped=True)
         else:
             plan = _plan_group(names, modules, min_region_modules)

@@ -32,8 +32,9 @@ backends that remove dead code (``aot_eager``, ``inductor``); ``eager`` runs it.
 ``torch.compile`` the layers run their own ``forward``.
 
 The stamping ``forward`` is the class's, not an instance attribute: Dynamo then calls it straight, where
-an instance ``forward`` makes it trace ``nn.Module.__call__`` and its hook checks for every layer. A copy
-(``copy.deepcopy``, pickling) is a plain layer of its own class.
+an instance ``forward`` makes it trace ``nn.Module.__call__`` and its hook checks for every layer. The
+``nn.ModuleList`` holding a group gets a subclass too, whose indexing Dynamo traces in a few steps. A
+copy (``copy.deepcopy``, pickling) of either is a plain module of its own class.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ _LAYERS: dict[str, weakref.ref[nn.Module]] = {}  # handle -> layer
 _GROUP_OF: dict[str, str] = {}  # handle -> its group's name
 _GROUPS = 0
 _HANDLE = "_ppcompile_stamp"  # a stamped layer's attribute: its handle
-_STAMPED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}  # a layer class -> its stamped subclass
+_SUBCLASSES: dict[tuple[type[nn.Module], str], type[nn.Module]] = {}  # (class, method) -> subclass
 
 
 @dataclasses.dataclass
@@ -128,9 +129,9 @@ def stamp_facts() -> tuple[dict[str, StampFacts], dict[str, str]]:
     return ({}, {}) if state is None else (dict(state.stamped), dict(state.rejected))
 
 
-def install_stamps(names: Sequence[str], modules: Sequence[nn.Module]) -> str:
-    """Gives each of ``modules`` (alike layers, ``names`` in the stage) the stamping ``forward``; returns
-    the group's name."""
+def install_stamps(names: Sequence[str], modules: Sequence[nn.Module], container: nn.Module) -> str:
+    """Gives each of ``modules`` (alike layers, ``names`` in the stage, held by ``container``) the
+    stamping ``forward``, and an ``nn.ModuleList`` container quick indexing; returns the group's name."""
     global _GROUPS
     group = f"g{_GROUPS}"
     _GROUPS += 1
@@ -139,27 +140,37 @@ def install_stamps(names: Sequence[str], modules: Sequence[nn.Module]) -> str:
         _LAYERS[handle] = weakref.ref(module)
         _GROUP_OF[handle] = group
         setattr(module, _HANDLE, handle)
-        module.__class__ = _stamped_class(type(module))
+        module.__class__ = _subclass(type(module), "forward", _stamped_forward)
+    if getattr(type(container), "__getitem__", None) is nn.ModuleList.__getitem__:
+        container.__class__ = _subclass(type(container), "__getitem__", _module_list_item)
     return group
 
 
-def _stamped_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls``'s subclass with the stamping ``forward`` (one per class, shared by its groups); ``cls``
-    itself if it is one (a module holding a stamped stage stamped again)."""
+def _subclass(cls: type[nn.Module], name: str, method: Any) -> type[nn.Module]:
+    """``cls``'s subclass ``Stamped<cls>`` with ``method`` as its ``name`` (one per class and method);
+    ``cls`` itself if it is one (a module holding a stamped stage stamped again)."""
     if LAYER_CLASS in vars(cls):
         return cls
-    stamped = _STAMPED_CLASSES.get(cls)
-    if stamped is None:
-        namespace = {"forward": _stamped_forward, "__reduce_ex__": _reduce_as_own_class, LAYER_CLASS: cls,
+    made = _SUBCLASSES.get((cls, name))
+    if made is None:
+        namespace = {name: method, "__reduce_ex__": _reduce_as_own_class, LAYER_CLASS: cls,
                      "__module__": __name__, "__doc__": f"{cls.__qualname__}, stamped by trace_layers_once."}
         metaclass: Any = type(cls)  # a layer class's own metaclass, if it has one, makes its subclass
-        stamped = _STAMPED_CLASSES[cls] = metaclass(f"Stamped{cls.__name__}", (cls,), namespace)
-    return stamped
+        made = _SUBCLASSES[cls, name] = metaclass(f"Stamped{cls.__name__}", (cls,), namespace)
+    return made
+
+
+def _module_list_item(self: nn.ModuleList, index: Any) -> Any:
+    """``nn.ModuleList.__getitem__``, with a quick path for an index in range (an engine's
+    ``self.layers[i]``): Dynamo traces a few steps where it traces about sixty for the general one."""
+    if type(index) is int and 0 <= index < len(self._modules):
+        return self._modules[str(index)]  # a ModuleList's keys are its indices
+    return nn.ModuleList.__getitem__(self, index)
 
 
 def _reduce_as_own_class(self: nn.Module, protocol: Any) -> Any:
-    """Pickles (and deep-copies) a stamped layer as a plain one of its own class, without its handle;
-    loading it needs no ppcompile."""
+    """Pickles (and deep-copies) a stamped layer or container as a plain one of its own class, without
+    a handle; loading it needs no ppcompile."""
     state = self.__getstate__()
     if isinstance(state, dict):
         state = {k: v for k, v in state.items() if k != _HANDLE}

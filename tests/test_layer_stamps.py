@@ -261,6 +261,22 @@ def test_stamped_layers_take_the_stamping_forward_from_their_class() -> None:
     torch.testing.assert_close(stack(x), _PlainStack(_Plain)(x), atol=0, rtol=0)
 
 
+def test_the_list_holding_stamped_layers_indexes_as_a_module_list_does() -> None:
+    """Its class is a subclass with an indexing Dynamo traces in fewer steps (an engine's
+    ``self.layers[i]``); what indexing returns and raises is a ``ModuleList``'s."""
+    stack = ppcompile.trace_layers_once(_PlainStack(_Plain), stamp=True)
+    layers, in_order = stack.layers, list(stack.layers)
+    assert isinstance(layers, nn.ModuleList) and type(layers).__name__ == "StampedModuleList"
+    for index in (0, 3, -1, -4, True):
+        assert layers[index] is in_order[index]
+    assert list(layers[1:3]) == in_order[1:3]
+    for index in (4, -5):
+        with pytest.raises(IndexError, match=f"index {index} is out of range"):
+            layers[index]
+    with pytest.raises(TypeError):
+        layers["0"]
+
+
 def test_a_module_holding_a_stamped_stage_can_be_stamped_again() -> None:
     """The layers keep one stamped class, and the outer module's trace stamps them out."""
     inner = ppcompile.trace_layers_once(_PlainStack(_Plain), stamp=True)
@@ -285,6 +301,7 @@ def test_a_copy_of_a_stamped_stage_has_plain_layers(how: str) -> None:
         buffer.seek(0)
         copied = torch.load(buffer, weights_only=False)
     plain = _Plain(8, 0)
+    assert type(copied.layers) is nn.ModuleList
     for layer in copied.layers:
         assert type(layer) is _Plain and set(vars(layer)) == set(vars(plain))
     assert all(type(layer) is not _Plain for layer in stack.layers)  # the original stays stamped
