@@ -145,12 +145,13 @@ def trace_layers_once(
             inside[type(modules[0]).__name__] = inside.get(type(modules[0]).__name__, 0) + 1
             continue
         patched = next((n for n, m in zip(names, modules) if "forward" in vars(m)), None) if stamp else None
-        if patched is not None:  # stamping calls the class's forward: it would bypass this one
-            plan = LayerRegionPlan(tuple(names), _class_name(type(modules[0])), (), (
-                ("", f"{patched} has a forward of its own (an instance attribute) that stamping would "
-                     "bypass"),))
+        why = None if patched is None else (  # stamping calls the class's forward: it would bypass this one
+            f"{patched} has a forward of its own (an instance attribute) that stamping would bypass")
+        if stamp and why is None:
+            why = install_stamps(names, modules, stage.get_submodule(names[0].rpartition(".")[0]))
+        if why is not None:
+            plan = LayerRegionPlan(tuple(names), _class_name(type(modules[0])), (), (("", why),))
         elif stamp:
-            install_stamps(names, modules, stage.get_submodule(names[0].rpartition(".")[0]))
             plan = LayerRegionPlan(tuple(names), _class_name(type(modules[0])), (), (), stamped=True)
         else:
             plan = _plan_group(names, modules, min_region_modules)

@@ -39,6 +39,7 @@ copy (``copy.deepcopy``, pickling) of either is a plain module of its own class.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import weakref
@@ -129,10 +130,15 @@ def stamp_facts() -> tuple[dict[str, StampFacts], dict[str, str]]:
     return ({}, {}) if state is None else (dict(state.stamped), dict(state.rejected))
 
 
-def install_stamps(names: Sequence[str], modules: Sequence[nn.Module], container: nn.Module) -> str:
-    """Gives each of ``modules`` (alike layers, ``names`` in the stage, held by ``container``) the
-    stamping ``forward``, and an ``nn.ModuleList`` container quick indexing; returns the group's name."""
+def install_stamps(names: Sequence[str], modules: Sequence[nn.Module], container: nn.Module) -> str | None:
+    """Gives each of ``modules`` (alike layers of one class, ``names`` in the stage, held by
+    ``container``) the stamping ``forward``, and an ``nn.ModuleList`` container quick indexing; returns
+    why it cannot (their class cannot be subclassed), changing nothing, or None."""
     global _GROUPS
+    try:
+        layer_class = _subclass(type(modules[0]), "forward", _stamped_forward)
+    except Exception as e:  # a class whose __init_subclass__ refuses, say
+        return f"its class cannot be subclassed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     group = f"g{_GROUPS}"
     _GROUPS += 1
     for name, module in zip(names, modules):
@@ -140,10 +146,11 @@ def install_stamps(names: Sequence[str], modules: Sequence[nn.Module], container
         _LAYERS[handle] = weakref.ref(module)
         _GROUP_OF[handle] = group
         setattr(module, _HANDLE, handle)
-        module.__class__ = _subclass(type(module), "forward", _stamped_forward)
+        module.__class__ = layer_class
     if getattr(type(container), "__getitem__", None) is nn.ModuleList.__getitem__:
-        container.__class__ = _subclass(type(container), "__getitem__", _module_list_item)
-    return group
+        with contextlib.suppress(Exception):  # quick indexing only saves trace time
+            container.__class__ = _subclass(type(container), "__getitem__", _module_list_item)
+    return None
 
 
 def _subclass(cls: type[nn.Module], name: str, method: Any) -> type[nn.Module]:

@@ -288,6 +288,25 @@ def test_a_module_holding_a_stamped_stage_can_be_stamped_again() -> None:
     assert [rt.compiled.record.stamped_layers for rt in new_runtimes(before)] == [3]
 
 
+class _Sealed(_Plain):
+    """A layer class that refuses subclasses (a framework's class registry, say)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError(f"{cls.__name__}: _Sealed takes no subclasses")
+
+
+def test_a_layer_class_that_refuses_subclasses_is_traced_flat() -> None:
+    stack = ppcompile.trace_layers_once(_PlainStack(_Sealed), stamp=True)
+    (plan,) = ppcompile.layer_region_plans(stack) or ()
+    assert not plan.stamped
+    assert ("traced flat (whole layer): its class cannot be subclassed (TypeError: Stamped_Sealed: _Sealed "
+            "takes no subclasses)") in plan.describe()
+    assert all(type(layer) is _Sealed and "forward" not in vars(layer) for layer in stack.layers)
+    before = ppcompile.stage_runtimes()
+    _compile_and_compare(stack, _PlainStack(_Sealed))
+    assert [rt.compiled.record.stamped_layers for rt in new_runtimes(before)] == [0]
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_a_copy_of_a_stamped_stage_has_plain_layers(how: str) -> None:
     """A copy is no stamped stage (``trace_layers_once`` applies to the module it was given): its layers
