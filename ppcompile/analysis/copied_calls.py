@@ -62,16 +62,17 @@ def replace_call(graph: torch.fx.Graph, call: torch.fx.Node, results: Sequence[A
 def copy_node(graph: torch.fx.Graph, node: torch.fx.Node, lookup: Callable[[torch.fx.Node], Any],
               meta: dict[str, Any], keep_name: bool = True) -> torch.fx.Node:
     """``node`` copied into ``graph`` at its insertion point, each node it reads replaced by
-    ``lookup(node)``, with ``meta``, named after ``node`` (``keep_name``) or after its target.
-    ``Graph.node_copy`` does the same through a pytree walk of the arguments and a copy of the meta the
-    caller replaces, and ``Graph.create_node`` walks the arguments again for raw symbolic numbers to
-    warn about, which the arguments of a node already in a graph do not hold: the copy is created bare
-    and given its arguments after. Passes copy thousands of nodes."""
+    ``lookup(node)``, with the entries of ``meta`` (copied into the copy's own dict: assigning a node's
+    attributes costs FX an update of its lookup table), named after ``node`` (``keep_name``) or after
+    its target. ``Graph.node_copy`` does the same through a pytree walk of the arguments and a copy of the
+    meta the caller replaces, and ``Graph.create_node`` walks the arguments again for raw symbolic
+    numbers to warn about, which the arguments of a node already in a graph do not hold: the copy is
+    created bare and given its arguments after. Passes copy thousands of nodes."""
     copy = graph.create_node(node.op, node.target, name=node.name if keep_name else None,
                              type_expr=node.type)
     if node.args:
         copy.args = map_arg(node.args, lookup)
     if node.kwargs:
         copy.kwargs = map_arg(node.kwargs, lookup)
-    copy.meta = meta
+    copy.meta.update(meta)
     return copy

@@ -79,7 +79,7 @@ def split_in_order(gm: torch.fx.GraphModule, partition: Mapping[Node, int]) -> t
     graphs = {p: _partition_graph(inputs[p]) for p in order}
     for node in calls:
         graph, env = graphs[partition[node]]
-        env[node] = copy_node(graph, node, env.__getitem__, node.meta.copy(), keep_name=False)
+        env[node] = copy_node(graph, node, env.__getitem__, node.meta, keep_name=False)
     return _stitch(gm, order, graphs, inputs, outputs)
 
 

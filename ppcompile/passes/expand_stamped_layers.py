@@ -152,8 +152,8 @@ def _expand(
             if sn.target is _OUTPUT:
                 env[sn] = env[sn.args[0]]
                 continue
-            copy = copy_node(graph, sn, lambda n: env.get(n, n), restacked(dict(sn.meta), template.path,
-                                                                            call_stack))
+            meta = restacked(sn.meta, template.path, call_stack)
+            copy = copy_node(graph, sn, lambda n: env.get(n, n), meta)
             if (op := _custom_op_name(sn)) is not None:
                 occurrence = seen[op] = seen.get(op, -1) + 1
                 for sub in pending.get((op, occurrence), ()):

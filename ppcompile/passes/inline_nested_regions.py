@@ -107,13 +107,13 @@ def _inline_call(
                 for part in str(sn.target).split("."):
                     value = getattr(value, part)
                 copied = graph.get_attr(_lift_attr(gm, value, lifted))
-                copied.meta = restacked(dict(sn.meta), traced_at, call_stack)
+                copied.meta = restacked(sn.meta, traced_at, call_stack)
                 env[sn] = copied
                 continue
             if sn.op == "call_function" and sn.target is _REGION_COPY:  # a copy for Dynamo only
                 env[sn] = env[sn.args[0]]
                 continue
-            env[sn] = copy_node(graph, sn, env.__getitem__, restacked(dict(sn.meta), traced_at, call_stack))
+            env[sn] = copy_node(graph, sn, env.__getitem__, restacked(sn.meta, traced_at, call_stack))
     replace_call(graph, node, [env[r] if isinstance(r, torch.fx.Node) else r for r in results],
                  "inlines regions")
 
