@@ -62,7 +62,7 @@ from ppcompile.region_ops import region_write_back
 from ppcompile.torch_internals import every_dim_dynamic
 from ppcompile.torch_internals.tracing import trace_attempt
 
-__all__ = ["StampFacts", "install_stamps", "layer_name", "layer_of", "stamp_facts"]
+__all__ = ["StampFacts", "install_stamps", "is_stamped", "layer_name", "layer_of", "stamp_facts"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,11 @@ def layer_of(handle: str) -> nn.Module:
     if layer is None:
         raise RuntimeError(f"ppcompile: stamped layer {handle!r} no longer exists")
     return layer
+
+
+def is_stamped(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer ``trace_layers_once`` stamped."""
+    return vars(type(module)).get("forward") is _stamped_forward
 
 
 def layer_name(handle: str) -> str:

@@ -18,6 +18,7 @@ from stage_checks import assert_close
 from torch import nn
 
 import ppcompile
+from ppcompile.backends import warm_start
 from ppcompile.models import (
     REFERENCE_CONFIGS,
     make_batch,
@@ -370,7 +371,13 @@ def test_hf_stages_stamped_equal_eager(family: str, stamped: int) -> None:
 def test_warm_compile_of_a_stamped_stage_compiles_as_torch_compile_does(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """It falls back before Dynamo's ahead-of-time trace, which would run and then fail."""
     monkeypatch.setenv("PPCOMPILE_CACHE_DIR", str(tmp_path))
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("warm_compile traced a stamped stage ahead of time")
+
+    monkeypatch.setattr(warm_start, "aot_compile", refuse)
     cfg = REFERENCE_CONFIGS["small-dense"].replace(num_layers=9)
     stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 3), stamp=True)
     compiled = ppcompile.warm_compile(stage, OPTIONS)
@@ -380,7 +387,9 @@ def test_warm_compile_of_a_stamped_stage_compiles_as_torch_compile_does(
     with torch.inference_mode(), set_forward_context(ctx):
         got = {k: v.clone() for k, v in compiled(None, pos, pp_proxy_tensors=proxies).items()}
         assert_close(got, dict(stage(None, pos, pp_proxy_tensors=proxies).items()), "warm_compile")
-    assert compiled.fallback_reason is not None and "stamped" in compiled.fallback_reason
+    assert compiled.fallback_reason == (
+        f"its layer layers.{stage.start_layer} is stamped by trace_layers_once, and a stamped layer compiles "
+        "only inside the Dynamo trace that stamps it, not from a stored one")
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ import torch
 
 from ppcompile.config import PPBreakableConfig, is_process_group
 from ppcompile.dynamic import tensors_in
+from ppcompile.layer_stamps import is_stamped
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.torch_internals import tracing_context
 from ppcompile.torch_internals.precompile import (
@@ -234,6 +235,12 @@ class WarmStage:
         assert self._artifacts is not None
         if len(self._artifacts) >= MAX_ENTRIES:
             return self._fall_back(f"its guards failed for {MAX_ENTRIES} stored artifacts")
+        stamped = next((name or "(the stage)" for name, m in self.stage.named_modules() if is_stamped(m)),
+                       None)
+        if stamped is not None:  # known before Dynamo's ahead-of-time trace, which would fail after it ran
+            return self._fall_back(f"its layer {stamped} is stamped by trace_layers_once, and a stamped "
+                                   "layer compiles only inside the Dynamo trace that stamps it, not from a "
+                                   "stored one")
         try:
             compiled = aot_compile(_call_stage, _backend(self.options, self._graphs), call, kwargs)
         except Exception as e:
