@@ -107,7 +107,7 @@ def _inline_call(
                 for part in str(sn.target).split("."):
                     value = getattr(value, part)
                 copied = graph.get_attr(_lift_attr(gm, value, lifted))
-                copied.meta = restacked(sn.meta, traced_at, call_stack)
+                copied.meta = dict(restacked(sn.meta, traced_at, call_stack))  # its own, not sn's
                 env[sn] = copied
                 continue
             if sn.op == "call_function" and sn.target is _REGION_COPY:  # a copy for Dynamo only
