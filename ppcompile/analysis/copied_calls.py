@@ -28,21 +28,34 @@ def innermost_module(node: torch.fx.Node) -> str | None:
 
 
 def restacked(
-    meta: dict[str, Any], traced_at: str | None, call_stack: dict[str, Any] | None
+    meta: dict[str, Any], traced_at: str | None, call_stack: dict[str, Any] | None,
+    shared: dict[Any, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``meta`` with its module stack re-rooted at this call: the call's own stack (``call_stack``,
     ending at the module called), then the entries below ``traced_at`` (the module of the call the
     ops were traced for), moved under this call's module. The entries from the traced call's stack
-    above it (its layer, say) are that call's, not this one's, and are dropped."""
+    above it (its layer, say) are that call's, not this one's, and are dropped.
+
+    ``shared``: the stacks already moved for this call, by the traced stack's entries (the caller's,
+    for one call): the copies of the ops one module ran share one stack, rather than hold a dict and
+    its entries each for as long as the compiled stage lives."""
     stack = meta.get("nn_module_stack")
     called_at = _innermost(call_stack)
     if not stack or traced_at is None or called_at is None or traced_at == called_at:
         return meta
-    moved = dict(call_stack or {})
-    for key, entry in stack.items():
-        path = str(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
-        if path is not None and path.startswith(traced_at + "."):
-            moved[key] = (called_at + path[len(traced_at):], entry[1])
+    entries = tuple(stack.items())
+    try:
+        moved = shared.get(entries) if shared is not None else None
+    except TypeError:  # an entry torch made of unhashable values: this stack is not shared
+        moved, shared = None, None
+    if moved is None:
+        moved = dict(call_stack or {})
+        for key, entry in stack.items():
+            path = str(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
+            if path is not None and path.startswith(traced_at + "."):
+                moved[key] = (called_at + path[len(traced_at):], entry[1])
+        if shared is not None:
+            shared[entries] = moved
     return {**meta, "nn_module_stack": moved}
 
 

@@ -145,6 +145,7 @@ def _expand(
     pending = _pending(fact.substitutions)
     call_stack = node.meta.get("nn_module_stack")  # ends at the stamped layer
     seen: dict[str, int] = {}
+    stacks: dict[Any, dict[str, Any]] = {}
     with graph.inserting_before(node):
         for sn in template.nodes:
             if sn.target is _INPUT or sn.target is _WRITE_BACK:  # the write-back: of the exemplar's copy
@@ -152,7 +153,7 @@ def _expand(
             if sn.target is _OUTPUT:
                 env[sn] = env[sn.args[0]]
                 continue
-            meta = restacked(sn.meta, template.path, call_stack)
+            meta = restacked(sn.meta, template.path, call_stack, stacks)
             copy = copy_node(graph, sn, lambda n: env.get(n, n), meta)
             if (op := _custom_op_name(sn)) is not None:
                 occurrence = seen[op] = seen.get(op, -1) + 1

@@ -95,6 +95,7 @@ def _inline_call(
                          f"{len(placeholders)} inputs")
     env.update(zip(placeholders, operands))
     results: Any = None
+    stacks: dict[Any, dict[str, Any]] = {}
     with graph.inserting_before(node):
         for sn in sub.graph.nodes:
             if sn.op == "placeholder":
@@ -107,13 +108,13 @@ def _inline_call(
                 for part in str(sn.target).split("."):
                     value = getattr(value, part)
                 copied = graph.get_attr(_lift_attr(gm, value, lifted))
-                copied.meta = dict(restacked(sn.meta, traced_at, call_stack))  # its own, not sn's
+                copied.meta = dict(restacked(sn.meta, traced_at, call_stack, stacks))  # its own, not sn's
                 env[sn] = copied
                 continue
             if sn.op == "call_function" and sn.target is _REGION_COPY:  # a copy for Dynamo only
                 env[sn] = env[sn.args[0]]
                 continue
-            env[sn] = copy_node(graph, sn, env.__getitem__, restacked(sn.meta, traced_at, call_stack))
+            env[sn] = copy_node(graph, sn, env.__getitem__, restacked(sn.meta, traced_at, call_stack, stacks))
     replace_call(graph, node, [env[r] if isinstance(r, torch.fx.Node) else r for r in results],
                  "inlines regions")
 

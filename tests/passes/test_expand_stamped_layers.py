@@ -11,6 +11,7 @@ from fx_helpers import make_ctx
 from torch import nn
 
 import ppcompile
+from ppcompile.analysis.copied_calls import innermost_module
 from ppcompile.analysis.node_facts import BOUND_WEIGHT
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.expand_stamped_layers import expand_stamped_layers
@@ -102,3 +103,17 @@ def test_stamped_layers_become_their_own_copies_of_the_exemplar() -> None:
 def test_a_graph_without_stamps_is_left_alone() -> None:
     before, result, _ = _run_in_a_trace(Stack(3), torch.randn(5, H))
     assert not result.modified and result.graph_module.code == before.code
+
+
+def test_the_copied_ops_of_one_module_share_one_module_stack() -> None:
+    """The copies live as long as the compiled stage: the ops one module ran share one stack in a
+    copy, as in Dynamo's graph, rather than one each; each layer's copies keep stacks of their own."""
+    m = ppcompile.trace_layers_once(Stack(3), stamp=True)
+    _, result, _ = _run_in_a_trace(m, torch.randn(5, H))
+    stacks: dict[str, set[int]] = {}
+    for n in result.graph_module.graph.nodes:
+        if n.op in ("call_function", "call_method") and (path := innermost_module(n)) is not None:
+            stacks.setdefault(path, set()).add(id(n.meta["nn_module_stack"]))
+    copied = {p: ids for p, ids in stacks.items() if p.endswith(("layers.1", "layers.2"))}
+    assert len(copied) == 2 and all(len(ids) == 1 for ids in copied.values()), stacks
+    assert len(set.union(*copied.values())) == 2
