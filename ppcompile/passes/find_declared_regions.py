@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Set
+from typing import Any
 
 import torch
 
@@ -65,12 +66,10 @@ def _readable(path: str) -> str:
     return re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "") or "(stage)"
 
 
-def _region_of(node: torch.fx.Node, classes: Set[str], annotations: bool = True) -> str | None:
-    """The name of the region ``node`` lies in: the outermost module of one of ``classes`` on its stack
-    (or, with ``annotations``, an instance declared token-local)."""
-    annotated = (node.meta.get("custom") or {}).get(ANNOTATION_KEY) if annotations else None
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    for entry in stack:
+def _region_of(stack: dict[str, Any] | None, classes: Set[str], annotated: str | None) -> str | None:
+    """The name of the region a node of module ``stack`` lies in: the outermost module of one of
+    ``classes`` on it (or an instance declared token-local, whose label the node carries: ``annotated``)."""
+    for entry in (stack or {}).values():
         path, cls = entry if isinstance(entry, tuple) and len(entry) == 2 else (str(entry), None)
         label = class_label(cls) if isinstance(cls, type) else str(cls)  # some torch releases: a name
         if label in classes or label == annotated:
@@ -78,6 +77,21 @@ def _region_of(node: torch.fx.Node, classes: Set[str], annotations: bool = True)
     if annotated is not None:
         return f"({annotated})"  # no module stack recorded: the label alone
     return None
+
+
+def _regions_of(
+    node: torch.fx.Node, classes: Set[str], seen: dict[tuple[int, str | None], tuple[str | None, str | None]],
+) -> tuple[str | None, str | None]:
+    """The library module and the declared region ``node`` lies in, each None if none. Worked out once
+    per module stack and annotation (``seen``, for one graph): the copies of a stamped layer's ops
+    share stacks (``copied_calls.restacked``)."""
+    stack = node.meta.get("nn_module_stack")
+    annotated = (node.meta.get("custom") or {}).get(ANNOTATION_KEY)  # a label: regions.token_local's
+    key = (id(stack), annotated)
+    found = seen.get(key)
+    if found is None:
+        found = seen[key] = (_region_of(stack, LIBRARY_MODULES, None), _region_of(stack, classes, annotated))
+    return found
 
 
 def _eager_region_of(node: torch.fx.Node, functions: dict[tuple[str, str], str]) -> str | None:
@@ -95,17 +109,17 @@ def find_declared_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRes
     classes = set(declared_classes().values())
     functions = declared_functions()
     names: dict[str, None] = {}
+    seen: dict[tuple[int, str | None], tuple[str | None, str | None]] = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "get_attr"):
             continue
+        library, name = _regions_of(node, classes, seen)
         # A library module holds any region declared inside it (one region per module instance).
-        eager = _region_of(node, LIBRARY_MODULES, annotations=False)
-        eager = LIBRARY_PREFIX + eager if eager is not None else (
+        eager = LIBRARY_PREFIX + library if library is not None else (
             _eager_region_of(node, functions) if functions else None)
         if eager is not None:
             EAGER_REGION.set(node, eager)
             continue
-        name = _region_of(node, classes)
         if name is not None:
             TOKEN_LOCAL.set(node, name)
             names[name] = None
