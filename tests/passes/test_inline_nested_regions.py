@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any
 
@@ -227,3 +228,34 @@ def test_copies_of_a_call_traced_flat_go_and_the_graph_is_modified() -> None:
     code = result.graph_module.code
     assert "region_copy" not in code and "region_write_back" not in code
     torch.testing.assert_close(result.graph_module(*inputs), want)
+
+
+def test_a_constant_a_region_reads_is_lifted_once_and_each_copy_has_its_own_meta() -> None:
+    """A region subgraph that reads a module attribute (``get_attr``; Dynamo inlines those in the stages
+    tried, so the graphs are built by hand): every inlined call reads the one lifted attribute through
+    a node of its own, whose meta a later pass may change without changing the other copies'."""
+    hop = torch.ops.higher_order.invoke_subgraph
+    inner = torch.fx.Graph()
+    x = inner.placeholder("x")
+    scale = inner.get_attr("scale")
+    scale.meta["note"] = "traced"
+    inner.output((inner.call_function(torch.mul, (x, scale)),))
+    holder = nn.Module()
+    holder.register_buffer("scale", torch.full((H,), 3.0))
+    root = nn.Module()
+    root.repeated_subgraph0 = torch.fx.GraphModule(holder, inner)
+    outer = torch.fx.Graph()
+    value = outer.placeholder("a")
+    ref = outer.get_attr("repeated_subgraph0")
+    for _ in range(2):
+        call = outer.call_function(hop, (ref, "subgraph_0", value))
+        value = outer.call_function(operator.getitem, (call, 0))
+    outer.output((value,))
+    gm = torch.fx.GraphModule(root, outer)
+    a = torch.randn(2, H)
+    out = inline_nested_regions(gm, make_ctx(gm, [a])).graph_module
+    reads = [n for n in out.graph.nodes if n.op == "get_attr"]
+    assert len(reads) == 2 and len({str(n.target) for n in reads}) == 1  # one lifted attribute
+    assert reads[0].meta is not reads[1].meta and reads[1].meta["note"] == "traced"
+    assert not any(isinstance(child, torch.fx.GraphModule) for child in out.children())  # the subgraph went
+    torch.testing.assert_close(out(a)[0], a * 9)
