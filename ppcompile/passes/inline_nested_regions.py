@@ -73,6 +73,8 @@ def _lift_attr(gm: torch.fx.GraphModule, value: Any, lifted: dict[int, str]) -> 
             name += "_"
         if isinstance(value, torch.nn.Module):
             gm.add_submodule(name, value)
+        elif isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            gm.register_buffer(name, value)  # as a GraphModule holds a tensor its graph reads
         else:
             setattr(gm, name, value)
         lifted[id(value)] = name
