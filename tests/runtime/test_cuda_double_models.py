@@ -1,11 +1,11 @@
 """The CUDA path on whole stages, under the strict capture double (``tests/cuda_double.py``).
 
 The reference decoders (dense, MoE, top-k proxies, the engine-style attention ops: functional and
-out-variant ``ppcompile::attention``, vLLM's in-place ``fused_add_rms_norm``) and the Hugging Face
-families, compiled with ``graph_mode`` resolving to ``"cuda"``: ``CudaGraphExecutor`` captures every
-bucket with captures that run nothing and refuse what real capture refuses, and each stage equals eager at
-1 token, every bucket exactly, every bucket + 1, and above the cap. A capture run flushes the allocator
-cache once.
+out-variant ``ppcompile::attention``, vLLM's in-place ``fused_add_rms_norm``; dense and MoE also with
+stamped layers) and the Hugging Face families, compiled with ``graph_mode`` resolving to ``"cuda"``:
+``CudaGraphExecutor`` captures every bucket with captures that run nothing and refuse what real capture
+refuses, and each stage equals eager at 1 token, every bucket exactly, every bucket + 1, and above the
+cap. A capture run flushes the allocator cache once.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 from cuda_double import StrictCuda
+from reference_runs import run_middle_stage
 
 import ppcompile
-from ppcompile.models import REFERENCE_CONFIGS, make_batch
+from ppcompile.models import REFERENCE_CONFIGS, make_batch, make_stage
 from ppcompile.pipeline import InProcessPipeline
 from ppcompile.runtime.executors import CudaGraphExecutor
 
@@ -93,6 +94,22 @@ def test_reference_stages_capture_and_match_eager_at_every_bucket(strict_cuda: S
         assert isinstance(state.executor, CudaGraphExecutor) and state.captured_buckets == tuple(SIZES)
     assert strict_cuda.flushes == 2  # one capture run per stage, one flush each
     assert all(g.replays >= 1 for g in strict_cuda.graphs)
+
+
+@pytest.mark.parametrize("cfg_name", ["small-dense", "small-moe"])
+def test_stamped_stages_capture_and_match_eager_at_every_bucket(strict_cuda: StrictCuda,
+                                                                cfg_name: str) -> None:
+    """``trace_layers_once``: the stamped layers' copies of the exemplar's ops, reading their own
+    weights (graph inputs bound by the runtime), captured and replayed."""
+    cfg = REFERENCE_CONFIGS[cfg_name].replace(num_layers=12)
+    stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 3), stamp=True)
+    got, want, runtime = run_middle_stage(stage, cfg, {"capture_sizes": SIZES}, COUNTS)
+    for n, g, w in zip(COUNTS, got, want):
+        _assert_close(g, w, f"stamped {cfg_name} at {n} tokens")
+    assert runtime.compiled.record.stamped_layers == 3 and runtime.compiled.bound_inputs
+    (state,) = runtime.instances()
+    assert isinstance(state.executor, CudaGraphExecutor) and state.captured_buckets == tuple(SIZES)
+    assert strict_cuda.flushes == 1 and all(g.replays >= 1 for g in strict_cuda.graphs)
 
 
 transformers = pytest.importorskip("transformers")
