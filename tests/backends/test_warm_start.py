@@ -279,21 +279,23 @@ print(json.dumps({"loaded": warm.loaded, "compiled": warm.compiled, "err": err, 
 
 def _two_starts(code: str, cache_dir: Path, *args: str) -> list[dict[str, Any]]:
     """What ``code`` printed last (JSON) in each of two fresh processes sharing ``cache_dir``, each
-    with the command-line arguments ``args``."""
+    with the command-line arguments ``args``; under ``"log"``, the end of what the process logged (why
+    a stored artifact did not load, say), for the failure message of a test."""
     env = {**os.environ, "PPCOMPILE_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT)}
     runs = []
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
                               timeout=300, check=False)
         assert done.returncode == 0, done.stderr[-3000:]
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        runs.append({**json.loads(done.stdout.strip().splitlines()[-1]), "log": done.stderr[-3000:]})
     return runs
 
 
 def test_a_second_process_loads_what_the_first_stored(cache_dir: Path) -> None:
     cold, warm = _two_starts(_CHILD, cache_dir, "eager")
     assert (cold["loaded"], cold["compiled"], cold["dynamo_traces"], cold["passes_run"]) == (0, 1, 1, 1)
-    assert (warm["loaded"], warm["compiled"], warm["dynamo_traces"], warm["passes_run"]) == (1, 0, 0, 0)
+    assert (warm["loaded"], warm["compiled"], warm["dynamo_traces"], warm["passes_run"]) == (1, 0, 0, 0), \
+        warm["log"]
     assert cold["err"] < 1e-5 and warm["err"] < 1e-5
 
 
@@ -302,7 +304,7 @@ def test_a_second_process_loads_what_the_first_stored(cache_dir: Path) -> None:
 def test_a_restart_loads_inductor_kernels_without_probing_the_cpu_again(cache_dir: Path) -> None:
     """The stored stage carries the first process's vector-ISA answer; the restart adopts it."""
     cold, warm = _two_starts(_CHILD, cache_dir, "inductor")
-    assert (cold["loaded"], cold["compiled"], warm["loaded"], warm["compiled"]) == (0, 1, 1, 0)
+    assert (cold["loaded"], cold["compiled"], warm["loaded"], warm["compiled"]) == (0, 1, 1, 0), warm["log"]
     assert cold["isa_probes"] > 0 and warm["isa_probes"] == 0
     assert cold["err"] < 1e-5 and warm["err"] < 1e-5
 
@@ -342,7 +344,7 @@ def test_a_stage_with_an_opaque_module_restarts_warm(cache_dir: Path) -> None:
     """The opaque op's key (a constant Dynamo guards) is the same in a process that builds the model
     the same way, so the stored compile applies again."""
     runs = _two_starts(_OPAQUE_CHILD, cache_dir)
-    assert [(r["loaded"], r["compiled"]) for r in runs] == [(0, 1), (1, 0)]
+    assert [(r["loaded"], r["compiled"]) for r in runs] == [(0, 1), (1, 0)], runs[1]["log"]
     assert max(r["err"] for r in runs) < 1e-5
 
 
