@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from cuda_double import StrictCuda
-from reference_runs import run_middle_stage
+from reference_runs import run_hf_stage, run_middle_stage
 
 import ppcompile
 from ppcompile.models import REFERENCE_CONFIGS, make_batch, make_stage
@@ -113,7 +113,7 @@ def test_stamped_stages_capture_and_match_eager_at_every_bucket(strict_cuda: Str
 
 
 transformers = pytest.importorskip("transformers")
-from ppcompile.models.hf import TINY_FAMILIES, make_hf_stages, tiny_causal_lm  # noqa: E402
+from ppcompile.models.hf import TINY_FAMILIES, HFStage, make_hf_stages, tiny_causal_lm  # noqa: E402
 
 
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
@@ -135,3 +135,17 @@ def test_hf_stages_capture_and_match_eager_at_every_bucket(strict_cuda: StrictCu
     assert runtimes and all(rt.graph_mode == "cuda" for rt in runtimes)
     assert all(state.captured_buckets == tuple(SIZES[:3]) for rt in runtimes for state in rt.instances())
     assert strict_cuda.flushes == sum(len(rt.instances()) for rt in runtimes)
+
+
+@pytest.mark.parametrize(("family", "stamped"), [("llama", 3), ("qwen3_moe", 3), ("qwen3_next", 2)])
+def test_stamped_hf_stages_capture_and_match_eager_at_every_bucket(strict_cuda: StrictCuda, family: str,
+                                                                   stamped: int) -> None:
+    """Dense, MoE and hybrid HF stages with ``trace_layers_once``: token dims marked (``dynamic=True``
+    traces every layer flat), every bucket captured, each count equal to eager."""
+    if getattr(transformers, TINY_FAMILIES[family][0], None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {TINY_FAMILIES[family][0]}")
+    stage = ppcompile.trace_layers_once(HFStage(tiny_causal_lm(family, num_hidden_layers=4).eval(), 0, 1))
+    (runtime,) = run_hf_stage(stage, {"capture_sizes": SIZES[:3]}, [1, 4, 5, 8, 9, 16, 17], family)
+    assert runtime.compiled.record.stamped_layers == stamped and runtime.graph_mode == "cuda"
+    (state,) = runtime.instances()
+    assert state.captured_buckets == tuple(SIZES[:3]) and strict_cuda.flushes == 1
