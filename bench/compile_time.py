@@ -46,7 +46,13 @@ if __package__ in (None, ""):
 import torch
 
 import ppcompile
-from bench.report import describe_machine, machine_info, markdown_table, update_markdown_section
+from bench.report import (
+    describe_machine,
+    full_collections,
+    machine_info,
+    markdown_table,
+    update_markdown_section,
+)
 from ppcompile.models import ModelConfig, make_batch, make_forward_context, make_stage, set_forward_context
 from ppcompile.pipeline.inprocess import STAGE_RECOMPILE_LIMIT
 from ppcompile.torch_internals import raise_recompile_limit
@@ -133,15 +139,16 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None, capture: s
     n = 16
     _, pos, proxies = make_batch(cfg, [n], 1, PP)
     ctx = make_forward_context([n], cfg, range(stage.start_layer, stage.end_layer))
-    start = time.perf_counter()
-    if warm_start:
-        compiled: Any = ppcompile.warm_compile(stage, options)
-    else:
-        compiled = torch.compile(stage, backend="pp_breakable", options=options)
-    ppcompile.mark_token_dynamic(pos, proxies)
-    with torch.inference_mode(), set_forward_context(ctx):
-        compiled(None, pos, pp_proxy_tensors=proxies)
-    total = time.perf_counter() - start
+    with full_collections() as collections:
+        start = time.perf_counter()
+        if warm_start:
+            compiled: Any = ppcompile.warm_compile(stage, options)
+        else:
+            compiled = torch.compile(stage, backend="pp_breakable", options=options)
+        ppcompile.mark_token_dynamic(pos, proxies)
+        with torch.inference_mode(), set_forward_context(ctx):
+            compiled(None, pos, pp_proxy_tensors=proxies)
+        total = time.perf_counter() - start
     (runtime,) = [rt for rt in ppcompile.stage_runtimes() if rt.eager_reason is None]
     warm: dict[str, Any] = {"read_back": compiled.load_seconds(), "artifacts_loaded": compiled.loaded,
                             "fallback": compiled.fallback_reason} if warm_start else {}
@@ -160,6 +167,7 @@ def child_compile(layers: int, compiler: str, max_tokens: int | None, capture: s
         "graph_segments": sum(st.segment.is_graph for st in runtime.program.steps),
         "buckets": len(runtime.plan.sizes),
         "unique_compiles": sum(not r.reused for r in records), **warm,
+        "full_collections": len(collections), "full_collection_seconds": sum(collections),
     }
 
 

@@ -4,11 +4,14 @@ writers share the file), and JSON results."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import json
 import os
 import platform
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import torch
 
 __all__ = [
     "describe_machine",
+    "full_collections",
     "has_markdown_section",
     "load_json",
     "machine_info",
@@ -102,3 +106,26 @@ def load_json(path: Path) -> Any:
 def not_measured(why: str) -> str:
     """The note for a benchmark path that was dropped: ``FAILED`` unless a time budget skipped it."""
     return f"not measured ({why})" if why.startswith("skipped") else f"FAILED, not measured: {why}"
+
+
+@contextlib.contextmanager
+def full_collections() -> Iterator[list[float]]:
+    """The seconds of each full (oldest-generation) collection CPython's cycle collector runs inside, in
+    a list filled as they happen: one costs a pass over the whole heap, torch's objects included, and
+    lands wherever the objects made since the last one cross its threshold."""
+    seconds: list[float] = []
+    started: list[float] = []
+
+    def on_collection(phase: str, info: Mapping[str, Any]) -> None:
+        if info.get("generation") != 2:  # CPython's oldest generation
+            return
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            seconds.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(on_collection)
+    try:
+        yield seconds
+    finally:
+        gc.callbacks.remove(on_collection)

@@ -163,8 +163,21 @@ def render(results: dict[str, Any]) -> str:
         out.append(markdown_table(["layers", "segments", "regions", "stamped", "dynamo trace", "passes",
                                    "capture", "first call"], table))
     out += ["", "### Against the targets", ""]
-    out += _targets(rows) + _moe_targets(moe)
+    out += _targets(rows) + _moe_targets(moe) + _collections(rows + moe)
     return "\n".join(out) + "\n"
+
+
+def _collections(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows whose first call ran a full garbage collection: a step in the figures that moves with
+    the heap's size, not with what the row measures."""
+    hit = [r for r in rows if r.get("full_collections")]
+    if not hit:
+        return []
+    named = [f"{'MoE, ' if r.get('experts') else ''}{r['layers']} layers {r['compiler']} "
+             f"{r.get('start', 'cold')}: {r['full_collections']} ({r['full_collection_seconds']:.2f} s)"
+             for r in hit]
+    return ["- full garbage collections in the first call (CPython's, of the whole heap): "
+            + "; ".join(named) + "."]
 
 
 def _moe_targets(rows: list[dict[str, Any]]) -> list[str]:

@@ -3,13 +3,14 @@ measurement itself runs fresh processes for minutes and is no test)."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
 
 from bench import startup
 from bench.compile_time import WARM_START
-from bench.report import machine_info
+from bench.report import full_collections, machine_info
 from bench.startup import COMPILERS, RESTARTS, render
 
 
@@ -43,6 +44,7 @@ def test_the_report_says_which_targets_are_met() -> None:
            for n, c, t in ((4, "eager", 2.0), (4, "eager + once (regions)", 1.8), (4, "eager + once", 1.6),
                            (32, "eager", 8.0), (32, "eager + once (regions)", 2.6),
                            (32, "eager + once", 2.0))]
+    moe[-1].update(full_collections=1, full_collection_seconds=0.18)
     text = render({"info": machine_info("cpu", threads=1), "max_tokens": 64, "repeats": 1, "capture": "lazy",
                    "rows": rows + moe})
     assert text.startswith("## Startup\n")
@@ -50,6 +52,9 @@ def test_the_report_says_which_targets_are_met() -> None:
     whole = render({"info": machine_info("cpu", threads=1), "max_tokens": 64, "repeats": 1, "capture": "all",
                     "rows": rows})
     assert "`capture=\"all\"` (the first call captures the whole ladder" in whole
+    assert "garbage collection" not in whole
+    assert ("- full garbage collections in the first call (CPython's, of the whole heap): MoE, 32 layers "
+            "eager + once cold: 1 (0.18 s).") in text
     assert "| 32 | inductor + once | cold |" in text
     assert "- cold, eager + once segments, 32 vs 4 layers: 1.40x (target <= 1.5x: met)" in text
     assert "- cold, inductor + once segments, 32 vs 4 layers: 1.50x (target <= 1.3x: not met)" in text
@@ -89,3 +94,12 @@ def test_cold_rows_take_their_repeats_in_rounds_and_keep_the_fastest(monkeypatch
     for kind in kinds:
         totals = [10.0 - (i + 1) % 3 for i, call in enumerate(calls) if call == kind]
         assert best[kind]["total"] == min(totals)
+
+
+def test_full_collections_times_each_collection_of_the_oldest_generation() -> None:
+    with full_collections() as seconds:
+        gc.collect(0)  # a young one: not counted
+        gc.collect()
+        gc.collect()
+    gc.collect()  # after: not counted
+    assert len(seconds) == 2 and all(s >= 0 for s in seconds)
