@@ -128,13 +128,16 @@ class PPBreakableConfig:
         dump_dir: write pass dumps here (default: ``PPCOMPILE_DUMP_DIR``).
         debug: check at every replay that graphs read the captured tensors, and detect reads of
             outputs that a later call overwrote.
-        owned_outputs: return copies instead of views into static output buffers.
-        output_slots: for how many forwards a graph-path call's outputs stay valid: those of forward i
-            until forward i + ``output_slots`` starts. 1: until the next call (views into graph memory,
-            no copy); k > 1: each forward copies its outputs that live in static memory into slot
-            ``i mod k`` of a ring and returns views of it (one copy per such output per forward; memory:
-            k times those outputs at the largest bucket), so a PP loop can send forward i's outputs
-            while forward i + 1 runs.
+        owned_outputs: whether a graph-path call returns copies of its outputs that live in static memory
+            (the caller owns them: they never change, whatever it keeps or sends) or views into that
+            memory, valid until a later call overwrites it (no copy; for engines that manage lifetimes).
+            Default (None): copies, unless ``output_slots`` > 1 asks for views into a ring.
+        output_slots: for how many forwards a graph-path call's views stay valid (with
+            ``owned_outputs=False`` or a ring): those of forward i until forward i + ``output_slots``
+            starts. 1: until the next call (views into graph memory, no copy); k > 1: each forward
+            copies its outputs that live in static memory into slot ``i mod k`` of a ring and returns
+            views of it (one copy per such output per forward; memory: k times those outputs at the
+            largest bucket), so a PP loop can send forward i's outputs while forward i + 1 runs.
         collective_ops: engine-style collective custom ops the stage calls (an all-reduce registered
             with ``torch.library.custom_op``, out-of-place or in-place), as ``"namespace::op"`` strings or
             op objects: row i of each output combines row i of the input across the ranks of the group,
@@ -165,7 +168,7 @@ class PPBreakableConfig:
     copy_kernel: str = "auto"
     dump_dir: str | None = None
     debug: bool = False
-    owned_outputs: bool = False
+    owned_outputs: bool | None = None
     output_slots: int = 1
     collective_ops: tuple[Any, ...] = ()
     tp_group: Any = None
@@ -212,15 +215,21 @@ class PPBreakableConfig:
             _bad("fold_graph_ops", fold, "an int >= 0 (0: fold nothing)")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             _bad("dump_dir", self.dump_dir, "a path string or None")
-        for flag in ("debug", "owned_outputs", "dedup_segments"):
+        for flag in ("debug", "dedup_segments"):
             if not isinstance(getattr(self, flag), bool):
                 _bad(flag, getattr(self, flag), "True or False")
         slots = self.output_slots
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             _bad("output_slots", slots, "an int >= 1 (1: outputs valid until the next call)")
-        if slots > 1 and self.owned_outputs:
+        owned = self.owned_outputs
+        if owned is not None and not isinstance(owned, bool):
+            _bad("owned_outputs", owned, "True (copies), False (views into static memory) or None (copies "
+                 "unless output_slots > 1)")
+        if slots > 1 and owned:
             _bad("output_slots", slots, "1 with owned_outputs=True (owned outputs never expire; a ring "
                  "of output slots only bounds how long views stay valid)")
+        # Resolved once, so that everything downstream (and compute_hash) sees a bool.
+        object.__setattr__(self, "owned_outputs", slots == 1 if owned is None else owned)
 
     def _check_compile_sizes(self) -> None:
         sizes = self.compile_sizes

@@ -33,7 +33,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         assert config.graph_mode == "auto"
         assert config.max_padding_factor == 2.0
         assert config.dump_dir is None
-        assert config.debug is False and config.owned_outputs is False
+        assert config.debug is False and config.owned_outputs is True  # copies: right for every caller
         assert config.output_slots == 1
 
 
@@ -61,7 +61,7 @@ GOOD: dict[str, list[Any]] = {
     "max_padding_factor": [1, 1.0, 4.5],
     "dump_dir": [None, "/tmp/dumps"],
     "debug": [True, False],
-    "owned_outputs": [True, False],
+    "owned_outputs": [True, False, None],
     "output_slots": [1, 2, 8],
     "on_unsafe": ["break", "error"],
     "token_local_ops": [[], ["mylib::rowwise"], (torch.relu,)],
@@ -84,7 +84,7 @@ BAD: dict[str, list[Any]] = {
     "max_padding_factor": [0.5, 0, -2.0, float("nan"), "2", True, None],
     "dump_dir": [3, b"/tmp"],
     "debug": [1, "yes", None],
-    "owned_outputs": [0, "no", None],
+    "owned_outputs": [0, "no", 1],
     "output_slots": [0, -1, 1.5, "2", True, None],
     "on_unsafe": ["eager", "Error", None],
     "token_local_ops": ["mylib::rowwise", ["rowwise"], 3],
@@ -154,7 +154,7 @@ def test_compute_hash_is_stable_and_tracks_fields() -> None:
         "graph_mode": "emulate",
         "max_padding_factor": 3.0,
         "debug": True,
-        "owned_outputs": True,
+        "owned_outputs": False,
     }
     hashes = {base.compute_hash()}
     for key, value in changed.items():
@@ -237,3 +237,11 @@ def test_output_slots_beyond_one_refuse_owned_outputs() -> None:
     with pytest.raises(ValueError, match=r"output_slots.*owned_outputs=True"):
         PPBreakableConfig.from_options({"output_slots": 2, "owned_outputs": True})
     PPBreakableConfig.from_options({"output_slots": 1, "owned_outputs": True})
+
+
+def test_owned_outputs_default_to_copies_unless_a_ring_is_asked_for() -> None:
+    assert PPBreakableConfig.from_options({}).owned_outputs is True
+    assert PPBreakableConfig.from_options({"owned_outputs": None}).owned_outputs is True
+    assert PPBreakableConfig.from_options({"output_slots": 2}).owned_outputs is False  # views into the ring
+    assert PPBreakableConfig.from_options({"owned_outputs": False}).owned_outputs is False
+    assert PPBreakableConfig.from_options({"output_slots": 3, "owned_outputs": False}).owned_outputs is False

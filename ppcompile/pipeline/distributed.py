@@ -156,6 +156,9 @@ class DistributedStage:
         self.world_size = dist.get_world_size(group)
         self.is_first = self.rank == 0
         self.is_last = self.rank == self.world_size - 1
+        if not self.is_last:
+            # Packed into a send buffer (or sent and waited for) before the next forward: views do.
+            options.setdefault("owned_outputs", False)
         self.device = torch.device(device) if device is not None else default_device(group)
         self.send_mode = send_mode
         self.depth = depth
@@ -198,7 +201,8 @@ class DistributedStage:
 
         Every rank is called with the same ``seq_lens`` and its ``positions``; ``input_ids`` and
         ``inputs_embeds`` are used by the first rank only. Returns the logits on the last rank (valid until
-        its next forward, like any compiled-stage output: clone to keep) and None on the others.
+        its next forward with ``owned_outputs=False``; owned by the caller by default) and None on the
+        others.
         """
         return self.step(MicroBatch(positions, seq_lens, input_ids, inputs_embeds))
 
@@ -230,7 +234,7 @@ class DistributedStage:
 
     def run(self, batches: Iterable[MicroBatch]) -> Iterator[torch.Tensor | None]:
         """Runs ``batches`` in order at this rank's ``depth``, yielding what :meth:`step` returns for each
-        (the last rank's logits are valid until the next one is computed). Receives are posted
+        (the last rank's logits, owned by the caller unless ``owned_outputs=False``). Receives are posted
         ``depth - 1`` micro-batches ahead; the sends of the last micro-batches are waited at the end."""
         ahead: collections.deque[MicroBatch] = collections.deque()
         source = iter(batches)

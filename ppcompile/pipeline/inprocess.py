@@ -105,6 +105,15 @@ class StageTrace:
     seconds: float
 
 
+def _stage_options(options: Mapping[str, Any] | None, last: bool) -> dict[str, Any]:
+    """``options`` for one stage of a chain: the last stage's outputs go to the caller (owned copies by
+    default); the others' are consumed by the next stage before this one runs again, so views do."""
+    opts = dict(options or {})
+    if not last:
+        opts.setdefault("owned_outputs", False)
+    return opts
+
+
 class InProcessPipeline:
     """The ``pp_size`` stages of ``cfg`` chained in one process, compiled with ``pp_breakable`` or eager.
 
@@ -112,7 +121,9 @@ class InProcessPipeline:
         cfg: reference model config; stages are built with :func:`make_stage` unless ``stages`` is given.
         pp_size: number of stages.
         compiled: wrap each stage in ``torch.compile(backend="pp_breakable")``.
-        options: the backend's ``options`` dict (e.g. ``{"capture_sizes": [8, 16]}``).
+        options: the backend's ``options`` dict (e.g. ``{"capture_sizes": [8, 16]}``); a non-last stage's
+            outputs are views (``owned_outputs=False``) unless it says otherwise: the next stage reads
+            them before this one runs again.
         device: where stages, inputs and KV caches live.
         dynamic: ``torch.compile``'s ``dynamic``. By default the token dims of every call's inputs are
             marked dynamic instead (``mark_token_dynamic``): one symbolic graph from the first call,
@@ -145,10 +156,10 @@ class InProcessPipeline:
         self.modules: list[nn.Module] = self.stages
         if compiled:
             torch_internals.raise_recompile_limit(STAGE_RECOMPILE_LIMIT)
-            opts = dict(options or {})
             self.modules = [
-                torch.compile(s, backend="pp_breakable", dynamic=dynamic, options=opts)  # type: ignore[misc]
-                for s in self.stages
+                torch.compile(s, backend="pp_breakable", dynamic=dynamic,  # type: ignore[misc]
+                              options=_stage_options(options, last=r == pp_size - 1))
+                for r, s in enumerate(self.stages)
             ]
         self.traces: list[StageTrace | None] = [None] * pp_size
 

@@ -8,9 +8,9 @@ Per call with ``n`` live tokens:
    them into the static input buffers (``[:n]``) and zero their padding rows (``[n:b]``);
 3. walk the segments: a graph segment replays its bucket-``b`` graph; a break segment runs eagerly on
    ``[:n]`` views and its outputs that graphs read are copied into static bridges;
-4. return outputs trimmed to their live size (views into static outputs, valid until the next call,
-   or copies with ``owned_outputs=True``; with ``debug=True`` copies that expire at the next call,
-   ``stale_outputs.py``).
+4. return outputs trimmed to their live size: copies of those in static memory (the default,
+   ``owned_outputs``), or with ``owned_outputs=False`` views valid until the next call (with
+   ``debug=True``, copies that expire then, ``stale_outputs.py``).
 
 One call at a time per module instance (a concurrent entry raises ``ConcurrentCallError``); what each
 failure leaves behind is in docs/reliability.md.

@@ -1,7 +1,8 @@
 """Debug-mode detection of stale outputs (DESIGN invariant 4).
 
-Outputs of a graph-path call may be views into static buffers that the next call of the same compiled
-stage overwrites. With ``debug=True`` the runtime hands out copies instead, and when the next call of
+With ``owned_outputs=False`` (or a ring, ``output_slots``), outputs of a graph-path call are views into
+static buffers that a later call of the same compiled stage overwrites. With ``debug=True`` the runtime
+hands out copies instead, and when the next call of
 that module instance ends it *expires* the previous ones:
 
 * the handed-out tensor object becomes a :class:`StaleOutput`, whose every use (an op, ``repr``,
@@ -105,7 +106,7 @@ class OutputTracker:
             t._pp_stale_message = (  # type: ignore[attr-defined]
                 f"pp_breakable debug: stale {what} of {self.stage} used after call {self.calls} of the same "
                 f"compiled stage; outputs are valid {valid} (they may be views into static buffers that "
-                "later calls overwrite): clone() what you keep longer, or compile with "
-                "options={'owned_outputs': True} (or a larger 'output_slots')"
+                "later calls overwrite): clone() what you keep longer, or drop owned_outputs=False "
+                "(owned copies are the default) or use a larger 'output_slots'"
             )
             t.__class__ = StaleOutput

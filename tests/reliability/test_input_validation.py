@@ -160,10 +160,10 @@ def test_any_memory_layout_gives_eagers_answer(case: str, make: Callable[[int], 
 
 
 def test_an_output_fed_back_as_input_is_copied_first() -> None:
-    """An output of the previous call (a view into static memory) passed back in: a break reads it
-    after a graph overwrote that memory, unless the runtime copies it first."""
+    """An output of the previous call (a view into static memory, ``owned_outputs=False``) passed back in:
+    a break reads it after a graph overwrote that memory, unless the runtime copies it first."""
     m = FeedbackStage()
-    c = compile_stage(m)
+    c = compile_stage(m, owned_outputs=False)
     with torch.no_grad():
         x = torch.randn(6, H)
         for _ in range(4):
@@ -178,7 +178,7 @@ def test_without_the_copy_a_fed_back_output_gives_wrong_answers() -> None:
     """The check above has teeth: the instance's graph path alone, without the runtime's aliased-input
     copy around it, gives a wrong answer for a fed-back output."""
     m = FeedbackStage()
-    c, recorded = compile_recorded(m, OPTIONS, dynamic=True, fullgraph=True)
+    c, recorded = compile_recorded(m, {**OPTIONS, "owned_outputs": False}, dynamic=True, fullgraph=True)
     with torch.no_grad():
         got = c(torch.randn(6, H))
         runtime = recorded.runtime

@@ -1,9 +1,10 @@
-"""Outputs are valid until the next call (DESIGN invariant 4; docs/reliability.md, "Stale outputs").
+"""No caller reads overwritten outputs (DESIGN invariant 4; docs/reliability.md, "Stale outputs").
 
-``debug=True``: using an output after the next call of the same compiled stage instance raises
+By default (and with ``owned_outputs=True``) outputs are copies that survive any number of later calls.
+With ``owned_outputs=False`` they are views valid until the next call, and ``debug=True`` checks that
+contract: using an output after the next call of the same compiled stage instance raises
 ``StaleOutputError`` naming the output; views taken from it earlier read poison (NaN), never plausible
 numbers. Valid outputs stay plain tensors, so the next compiled stage compiles exactly as without debug.
-``owned_outputs=True``: outputs are copies that survive any number of later calls.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from ppcompile.models import REFERENCE_CONFIGS, make_batch
 from ppcompile.pipeline import InProcessPipeline
 from ppcompile.runtime.stale_outputs import StaleOutput, StaleOutputError
 
+VIEWS_DEBUG: dict[str, Any] = {"owned_outputs": False, "debug": True}  # the views contract, checked
+
+
+def _owned_option(owned: bool | None) -> dict[str, Any]:
+    return {} if owned is None else {"owned_outputs": owned}
+
 
 def _static_storages() -> set[int]:
     rt = runtime()
@@ -37,7 +44,7 @@ def _static_storages() -> set[int]:
 
 def test_debug_stale_output_raises_naming_it() -> None:
     m = Stage()
-    c = compile_stage(m, debug=True)
+    c = compile_stage(m, **VIEWS_DEBUG)
     with torch.no_grad():
         first, first2 = check(c, m, *inputs(5, seed=1))
         assert type(first) is torch.Tensor  # plain until it expires
@@ -58,7 +65,7 @@ def test_debug_stale_output_raises_naming_it() -> None:
 
 def test_debug_outputs_of_the_latest_call_are_valid_and_match_eager() -> None:
     m = Stage()
-    c = compile_stage(m, debug=True)
+    c = compile_stage(m, **VIEWS_DEBUG)
     with torch.no_grad():
         for i, n in enumerate([5, 8, 3, 16, 9, 17, 2]):
             got = check(c, m, *inputs(n, seed=i))
@@ -69,7 +76,7 @@ def test_debug_outputs_of_the_latest_call_are_valid_and_match_eager() -> None:
 
 def test_debug_an_eager_call_also_expires_the_previous_outputs() -> None:
     m = Stage()
-    c = compile_stage(m, debug=True)
+    c = compile_stage(m, **VIEWS_DEBUG)
     with torch.no_grad():
         first, _ = check(c, m, *inputs(5))
         with counters.expect(eager_runs=1, replays=0):
@@ -91,7 +98,7 @@ def test_debug_integer_outputs_are_poisoned_with_the_minimum() -> None:
             return h, (self.lin(h) * 100).to(torch.int32)
 
     m = IntStage()
-    c = compile_stage(m, debug=True)
+    c = compile_stage(m, **VIEWS_DEBUG)
     with torch.no_grad():
         _, ints = c(torch.randn(5, H))
         view = ints[1:3]
@@ -101,7 +108,7 @@ def test_debug_integer_outputs_are_poisoned_with_the_minimum() -> None:
 
 def test_debug_two_instances_expire_independently() -> None:
     m1, m2 = Stage(seed=1), Stage(seed=2)
-    c1, c2 = compile_stage(m1, debug=True), compile_stage(m2, debug=True)
+    c1, c2 = compile_stage(m1, **VIEWS_DEBUG), compile_stage(m2, **VIEWS_DEBUG)
     with torch.no_grad():
         a, _ = check(c1, m1, *inputs(5))
         b, _ = check(c2, m2, *inputs(5))
@@ -114,7 +121,7 @@ def test_debug_two_instances_expire_independently() -> None:
 
 def test_debug_an_output_fed_into_the_next_call_is_read_before_it_expires() -> None:
     m = FeedbackStage()
-    c = compile_stage(m, debug=True)
+    c = compile_stage(m, **VIEWS_DEBUG)
     with torch.no_grad():
         x = torch.randn(6, H)
         for _ in range(3):
@@ -129,7 +136,7 @@ def test_debug_an_output_fed_into_the_next_call_is_read_before_it_expires() -> N
 
 def test_debug_a_stale_output_passed_to_another_compiled_stage_raises() -> None:
     m, nxt = Stage(seed=1), Stage(seed=2)
-    c, cn = compile_stage(m, debug=True), compile_stage(nxt, debug=True)
+    c, cn = compile_stage(m, **VIEWS_DEBUG), compile_stage(nxt, **VIEWS_DEBUG)
     with torch.no_grad():
         out, res = c(*inputs(5))
         check(cn, nxt, out, res)  # valid: plain tensors
@@ -159,9 +166,9 @@ def test_debug_does_not_change_how_the_next_stage_compiles() -> None:
     assert seen[0] == seen[1] and seen[0][2] == 0, seen
 
 
-def test_without_debug_outputs_are_views_and_nothing_is_tracked() -> None:
+def test_views_without_debug_are_static_memory_and_nothing_is_tracked() -> None:
     m = Stage()
-    c = compile_stage(m)
+    c = compile_stage(m, owned_outputs=False)
     with torch.no_grad():
         first, _ = check(c, m, *inputs(5))
         assert first.untyped_storage().data_ptr() in _static_storages()
@@ -171,10 +178,11 @@ def test_without_debug_outputs_are_views_and_nothing_is_tracked() -> None:
     assert type(first) is torch.Tensor
 
 
+@pytest.mark.parametrize("owned", [True, None], ids=["owned", "default"])
 @pytest.mark.parametrize("debug", [False, True])
-def test_owned_outputs_are_copies_that_survive_later_calls(debug: bool) -> None:
+def test_owned_outputs_are_copies_that_survive_later_calls(debug: bool, owned: bool | None) -> None:
     m = Stage()
-    c = compile_stage(m, owned_outputs=True, debug=debug)
+    c = compile_stage(m, debug=debug, **_owned_option(owned))
     with torch.no_grad():
         kept: list[tuple[tuple[torch.Tensor, ...], tuple[Any, ...]]] = []
         for i, n in enumerate([5, 8, 6, 12, 16, 5]):
@@ -199,10 +207,11 @@ class BreakViewStage(torch.nn.Module):
         return torch.t(self.lin(x))
 
 
+@pytest.mark.parametrize("owned", [True, None], ids=["owned", "default"])
 @pytest.mark.parametrize("debug", [False, True])
-def test_owned_outputs_copy_a_break_ops_view_of_static_memory(debug: bool) -> None:
+def test_owned_outputs_copy_a_break_ops_view_of_static_memory(debug: bool, owned: bool | None) -> None:
     m = BreakViewStage()
-    c = compile_stage(m, owned_outputs=True, debug=debug, split_ops=[torch.t])
+    c = compile_stage(m, debug=debug, split_ops=[torch.t], **_owned_option(owned))
     with torch.no_grad():
         first = c(torch.randn(5, H))
         kept = first.clone()
@@ -213,7 +222,7 @@ def test_owned_outputs_copy_a_break_ops_view_of_static_memory(debug: bool) -> No
 
 def test_debug_tracks_a_break_ops_view_of_static_memory() -> None:
     m = BreakViewStage()
-    c = compile_stage(m, debug=True, split_ops=[torch.t])
+    c = compile_stage(m, **VIEWS_DEBUG, split_ops=[torch.t])
     with torch.no_grad():
         x = torch.randn(5, H)
         first = c(x)

@@ -68,11 +68,12 @@ def test_ten_thousand_random_interleavings_with_two_slots() -> None:
 
 
 def test_one_slot_is_flagged_by_a_reader_one_forward_late() -> None:
-    """What the ring prevents: with k=1 (views into graph memory) the output of forward i read after
-    forward i + 1 has its rows overwritten."""
+    """What the ring prevents: with views into graph memory (k=1, ``owned_outputs=False``) the output of
+    forward i read after forward i + 1 has its rows overwritten; the default (owned copies) never is."""
     counts = [5, 6, 7, 12, 9, 5]
-    assert _delayed_reads_wrong(_runtime(1), counts, 1, torch.ones(H, H)) > 0
+    assert _delayed_reads_wrong(_runtime(1, owned_outputs=False), counts, 1, torch.ones(H, H)) > 0
     assert _delayed_reads_wrong(_runtime(2), counts, 1, torch.ones(H, H)) == 0
+    assert _delayed_reads_wrong(_runtime(1), counts, 1, torch.ones(H, H)) == 0
 
 
 def test_the_ring_costs_one_copy_of_the_outputs_per_slot_and_one_output_copy_per_forward() -> None:

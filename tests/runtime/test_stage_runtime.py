@@ -501,9 +501,10 @@ def test_emulator_catches_a_missing_copy_in() -> None:
 
 def test_buckets_share_graph_output_memory_and_outputs_last_until_the_next_call() -> None:
     """As graphs in one pool whose outputs nobody holds: every bucket's outputs live in the memory of
-    the largest bucket's, each segment runs once at capture, and any call overwrites earlier outputs."""
+    the largest bucket's, each segment runs once at capture, and any call overwrites earlier views
+    (``owned_outputs=False``)."""
     m = Stage()
-    c = _compile(m)
+    c = _compile(m, owned_outputs=False)
     first, _ = _check(c, m, 12)  # bucket 16
     state = _state(_runtime())
     for st in (st for st in _runtime().program.steps if st.segment.is_graph):
@@ -551,10 +552,11 @@ def test_debug_turns_a_shared_table_into_a_clear_error() -> None:
         c(*_inputs(6, seed=3))
 
 
-def test_outputs_are_valid_until_the_next_call() -> None:
-    """Invariant 4: outputs may be views into static outputs that the next call overwrites."""
+def test_views_are_valid_until_the_next_call() -> None:
+    """Invariant 4: with ``owned_outputs=False``, outputs are views into static outputs that the next call
+    overwrites."""
     m = Stage()
-    c = _compile(m)
+    c = _compile(m, owned_outputs=False)
     first, _ = _check(c, m, 5, seed=1)
     kept = first.clone()
     second, _ = _check(c, m, 6, seed=2)  # same bucket (8), other inputs
@@ -562,9 +564,10 @@ def test_outputs_are_valid_until_the_next_call() -> None:
     torch.testing.assert_close(first, second[:5])
 
 
-def test_owned_outputs_survive_the_next_call() -> None:
+@pytest.mark.parametrize("options", [{}, {"owned_outputs": True}], ids=["default", "owned"])
+def test_owned_outputs_survive_the_next_call(options: dict[str, Any]) -> None:
     m = Stage()
-    c = _compile(m, owned_outputs=True)
+    c = _compile(m, **options)
     first, first2 = _check(c, m, 5, seed=1)
     kept, kept2 = first.clone(), first2.clone()
     _check(c, m, 6, seed=2)
@@ -572,9 +575,9 @@ def test_owned_outputs_survive_the_next_call() -> None:
     assert torch.equal(first, kept) and torch.equal(first2, kept2)
 
 
-def test_debug_detects_reading_a_stale_output() -> None:
+def test_debug_detects_reading_a_stale_view() -> None:
     m = Stage()
-    c = _compile(m, debug=True)
+    c = _compile(m, owned_outputs=False, debug=True)
     first, _ = _check(c, m, 5, seed=1)
     _check(c, m, 6, seed=2)
     with pytest.raises(RuntimeError, match="stale"):
