@@ -9,6 +9,8 @@ graph segments actually compiled (unique structures; eager segments compile noth
 by cause, the stage graphs whose forwards stopped reaching the graph path for a reason other than the
 documented policy (``StageRuntime.fall_offs()``: one warning per module and cause, however many stage
 graphs Dynamo recompiles for it);
+``input_recompiles`` counts stage graphs Dynamo recompiled for inputs of another structure than the
+first call's (a proxy key gone or new, a dtype, device or rank: most likely a bad input);
 ``fence_waits`` counts, by kind of fence, the send fences a stage waited before reusing an output ring
 slot (``ppcompile.fence_outputs``).
 """
@@ -33,6 +35,7 @@ class Counters:
     segment_compiles: int = 0
     segment_cache_hits: int = 0
     eager_code_reuses: int = 0
+    input_recompiles: int = 0
     replays_by_bucket: Counter[int] = dataclasses.field(default_factory=Counter)
     fall_offs: Counter[str] = dataclasses.field(default_factory=Counter)
     fence_waits: Counter[str] = dataclasses.field(default_factory=Counter)

@@ -27,6 +27,7 @@ from ppcompile.passes.manager import run_passes
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.observer import CaptureStart
 from ppcompile.runtime.stage_runtime import RECOMPILE_LIMIT, StageRuntime
+from ppcompile.runtime.validation import input_changes
 
 from .segment_compilers import (
     compile_segments,
@@ -116,8 +117,22 @@ def _lineage(stage: CompiledStage, example_inputs: list[Any]) -> CompiledStage:
             recompile_of = (record.module, modules[record.module].name)
     module, first = recompile_of if recompile_of is not None else (len(modules) + 1, None)
     reason = torch_internals.last_guard_failure(frame) if first is not None else None
-    return dataclasses.replace(stage, record=dataclasses.replace(stage.record, module=module,
-                                                                 recompile_of=first, recompile_reason=reason))
+    changes = input_changes(modules[module].compiled.input_specs, stage.input_specs) if first else ()
+    return dataclasses.replace(stage, record=dataclasses.replace(
+        stage.record, module=module, recompile_of=first, recompile_reason=reason, input_changes=changes))
+
+
+def _report_input_changes(runtime: StageRuntime) -> None:
+    """A recompile for inputs of another structure than the module's first call's is named once."""
+    record = runtime.compiled.record
+    if not record.input_changes:
+        return
+    counters.input_recompiles += 1
+    log.warning(
+        "pp_breakable: %s compiled because a call's inputs differ in structure from those %s was compiled "
+        "for: %s. If that call was a mistake, fix its inputs: calls that match %s are still served by it. "
+        "Its first call runs eagerly, so a bad input raises the model's own error before any capture",
+        runtime.compiled.name, record.recompile_of, "; ".join(record.input_changes), record.recompile_of)
 
 
 def _graph_name() -> str:
@@ -206,6 +221,7 @@ def serve_stage(stage: CompiledStage, config: PPBreakableConfig, example_inputs:
     _RUNTIMES.append((weakref.ref(runtime), torch_internals.dynamo_generation()))
     _remember_state(runtime, example_inputs)
     _check_recompile_budget(runtime)
+    _report_input_changes(runtime)
     on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())
     return runtime

@@ -44,6 +44,9 @@ class CompileRecord:
     module: int | None = None
     recompile_of: str | None = None
     recompile_reason: str | None = None  # the guards that failed, with the source lines that added them
+    # How a recompile's lifted inputs differ in structure from the module's first stage graph's (a proxy
+    # key gone or new, a dtype, device or rank): most likely a bad input (``validation.input_changes``).
+    input_changes: tuple[str, ...] = ()
     # Nested compile regions (``trace_layers_once``): subgraph -> the calls it served. Fewer subgraphs
     # than calls is what tracing once saved; one subgraph per call means torch traced every call.
     region_traces: Mapping[str, int] = dataclasses.field(default_factory=lambda: _EMPTY_COUNTS)

@@ -27,11 +27,15 @@ from ppcompile.runtime.fused_copy import RowCopier, make_row_copier
 from ppcompile.runtime.graph_path import GraphPath, RingSlots, Wrap, bind_graph_path, instrumented_path
 from ppcompile.runtime.group_agreement import LOCAL, Agreement, GroupCaptureError
 from ppcompile.runtime.observer import CaptureMeter, CaptureObserver, CaptureRecord, CaptureStart
-from ppcompile.runtime.program import GraphStep
+from ppcompile.runtime.program import GraphStep, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import extent
 
-__all__ = ["StageInstance"]
+__all__ = ["ConcurrentCallError", "StageInstance"]
+
+
+class ConcurrentCallError(RuntimeError):
+    """A compiled stage instance was entered while a call of it was still running."""
 
 
 class StageInstance:
@@ -73,6 +77,35 @@ class StageInstance:
         self.runs: list[CaptureRecord] = [] if runs is None else runs
         # The TP group's ranks capture alike: budget ends and failures are agreed (group_agreement.py).
         self._agreement = agreement
+        # Outputs that are graph memory (graph outputs handed out as live-size views): owned copies copy them.
+        self._static_outputs = frozenset(s for st in program.graph_steps for s in st.live_views)
+
+    # ----------------------------------------------------------------------------------- a call
+    def concurrent_call_error(self, stage: str) -> ConcurrentCallError:
+        """The error for a call that found ``lock`` held (``stage``: the stage graph's name)."""
+        if self.owner == threading.get_ident():
+            how = "re-entered from the thread that is running it (a break op calling its own stage?)"
+        else:
+            how = f"called from thread {threading.get_ident()} while thread {self.owner} is running it"
+        return ConcurrentCallError(
+            f"pp_breakable: {stage} was {how}. A compiled stage instance serves one call at a time "
+            "(its static buffers hold that call's data): use one compiled stage per thread, or serialize "
+            "calls with a lock"
+        )
+
+    def own(self, outputs: tuple[Any, ...], copied: list[int]) -> tuple[Any, ...]:
+        """``outputs`` with copies of those in this instance's static memory (graph outputs, and anything
+        whose storage is static, like a break op's view of one); their indices go to ``copied``."""
+        static = self.storages or frozenset()
+        owned = list(outputs)
+        for i, r in enumerate(self._compiled.program.outputs):
+            value = owned[i]
+            if isinstance(r, Ref) and r.size is None and isinstance(value, torch.Tensor) and (
+                r.slot in self._static_outputs or value.untyped_storage().data_ptr() in static
+            ):
+                owned[i] = value.clone()
+                copied.append(i)
+        return tuple(owned)
 
     # ----------------------------------------------------------------------------------- inspection
     @property

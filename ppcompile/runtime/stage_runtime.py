@@ -4,19 +4,18 @@ Per call with ``n`` live tokens:
 
 1. pick the bucket ``b >= n`` (O(1) table); above the cap, beyond the padding guard, with autograd on,
    or for a stage that cannot be graphed, run every segment eagerly on live tensors instead;
-2. check the inputs against the compiled graph (``validation.py``; before anything is written), then copy
-   them into the static input buffers (``[:n]``) and zero their padding rows (``[n:b]``);
+2. check the inputs against the compiled graph (``validation.py``; before any capture or write; the first
+   call of a recompile for inputs of another structure runs eagerly, ``_probe``), then copy them into
+   the static input buffers (``[:n]``) and zero their padding rows (``[n:b]``);
 3. walk the segments: a graph segment replays its bucket-``b`` graph; a break segment runs eagerly on
    ``[:n]`` views and its outputs that graphs read are copied into static bridges;
 4. return outputs trimmed to their live size: copies of those in static memory (the default,
    ``owned_outputs``), or with ``owned_outputs=False`` views valid until the next call (with
    ``debug=True``, copies that expire then, ``stale_outputs.py``).
 
-One call at a time per module instance (a concurrent entry raises ``ConcurrentCallError``); what each
-failure leaves behind is in docs/reliability.md.
-
-Graphs and static buffers belong to the module state they read: one ``StageInstance`` per set of
-parameter tensors, so two module instances that share one Dynamo graph never share graphs.
+One call at a time per module instance (``ConcurrentCallError``); what each failure leaves behind is in
+docs/reliability.md. Graphs and static buffers belong to the module state they read: one
+``StageInstance`` per set of parameter tensors, so two module instances never share graphs.
 """
 
 from __future__ import annotations
@@ -46,21 +45,16 @@ from ppcompile.runtime.fall_offs import (
 from ppcompile.runtime.graph_path import Wrap
 from ppcompile.runtime.group_agreement import Agreement, GroupDivergenceError, agreement_for
 from ppcompile.runtime.inspection import StageInspection
-from ppcompile.runtime.instance import StageInstance
+from ppcompile.runtime.instance import ConcurrentCallError, StageInstance
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureRecord
-from ppcompile.runtime.program import Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
-from ppcompile.runtime.validation import aliased_slots, check_inputs, storages_of
+from ppcompile.runtime.validation import InputMismatchError, aliased_slots, check_inputs, storages_of
 from ppcompile.traffic import TokenHistogram, process_histogram
 
 __all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_GRAPHS",
            "RECOMPILE_LIMIT", "ConcurrentCallError", "StageRuntime"]
 
 log = logging.getLogger(__name__)
-
-
-class ConcurrentCallError(RuntimeError):
-    """A compiled stage instance was entered while a call of it was still running."""
 
 
 class StageRuntime(StageInspection):
@@ -79,7 +73,6 @@ class StageRuntime(StageInspection):
         self._capture_runs: list[CaptureRecord] = []  # every instance's capture runs, oldest first
         self.live_forward = make_live_forward(compiled.program, compiled.name, compiled.live_checks)
         self._wrap: Wrap | None = None  # instrumented(): the hook its block wraps graph paths with
-        self._owned_slots = frozenset(s for st in compiled.program.graph_steps for s in st.live_views)
         self._warned: set[str] = set()
         # Reliability (docs/reliability.md): input checks, aliased inputs, debug stale-output tracking.
         self._token_source = self._describe_token_source()
@@ -87,6 +80,7 @@ class StageRuntime(StageInspection):
         self._debug = config.debug
         self._own_outputs = config.owned_outputs or config.debug
         self._track_outputs = config.debug and not config.owned_outputs
+        self._probe_inputs = bool(compiled.record.input_changes)  # _probe: until a first call succeeds
         # Live token counts served (a static graph has none); they also feed the process-wide histogram.
         self.traffic = TokenHistogram(feeds=process_histogram())
         self._fall_offs = FallOffs(compiled.record, lambda: self.label)  # note_fall_off
@@ -192,29 +186,39 @@ class StageRuntime(StageInspection):
                             "eagerly; run inference under torch.inference_mode() or torch.no_grad() to "
                             "use graphs", self.name)
             return self.run_eager(args)
+        if self._probe_inputs:
+            return self._probe(args)
+        env_n = self._env(args, n)
+        # Checked before anything is captured or written: a rejected call leaves every buffer as it was.
+        check_inputs(self.compiled.input_specs, args, self.program.num_inputs, env_n, self.name,
+                     self._token_source)
         state = self._state_for(args)
         if state.failed is not None:
             return self.run_eager(args)  # the fall-off was noted when the capture failed
         if not state.lock.acquire(blocking=False):
-            raise self._concurrent_call_error(state)
+            raise state.concurrent_call_error(self.name)
         state.owner = threading.get_ident()
         try:
             if b not in state.tables and not self._capture_lazily(state, args, b):
                 return self.run_eager(args)
-            return self._run_graphs(state, args, n, b)
+            return self._run_graphs(state, args, env_n, n, b)
         finally:
             state.lock.release()
 
-    def _concurrent_call_error(self, state: StageInstance) -> ConcurrentCallError:
-        if state.owner == threading.get_ident():
-            how = "re-entered from the thread that is running it (a break op calling its own stage?)"
-        else:
-            how = f"called from thread {threading.get_ident()} while thread {state.owner} is running it"
-        return ConcurrentCallError(
-            f"pp_breakable: {self.name} was {how}. A compiled stage instance serves one call at a time "
-            "(its static buffers hold that call's data): use one compiled stage per thread, or serialize "
-            "calls with a lock"
-        )
+    def _probe(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The first call of a recompile for inputs of another structure (``record.input_changes``: most
+        likely a bad input) runs eagerly: a bad input raises, named, before any capture."""
+        record = self.compiled.record
+        try:
+            outputs = self.run_eager(args)
+        except Exception as e:
+            raise InputMismatchError(
+                f"pp_breakable: {self.label} was compiled for a call whose inputs differ in structure from "
+                f"those {record.recompile_of} serves ({'; '.join(record.input_changes)}), and the forward "
+                f"fails on them without graphs ({type(e).__name__}: {e}): fix the inputs named. Calls that "
+                f"match {record.recompile_of} are still served by it") from e
+        self._probe_inputs = False
+        return outputs
 
     def _call_debug(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``debug=True``: a call, then the outputs of the call before it expire (stale_outputs.py)."""
@@ -234,15 +238,11 @@ class StageRuntime(StageInspection):
         env = self._env(args, self.num_tokens(args)) if self.token_symbol is not None else self._env(args, 0)
         return self.live_forward(args, env)
 
-    def _run_graphs(self, state: StageInstance, args: tuple[Any, ...], n: int, b: int) -> tuple[Any, ...]:
-        compiled = self.compiled
-        env_n = self._env(args, n)
-        # Checked before anything is written: a rejected call leaves every buffer as it was.
-        check_inputs(compiled.input_specs, args, compiled.program.num_inputs, env_n, compiled.name,
-                     self._token_source)
+    def _run_graphs(self, state: StageInstance, args: tuple[Any, ...], env_n: dict[sympy.Symbol, int], n: int,
+                    b: int) -> tuple[Any, ...]:
         if state.storages is None:
             state.storages = storages_of(state.static_tensors())
-        aliased = aliased_slots(args, compiled.tensor_slots, state.storages)
+        aliased = aliased_slots(args, self.compiled.tensor_slots, state.storages)
         if aliased:
             args = self._copy_aliased(args, aliased)
         env_b = dict(env_n)
@@ -254,7 +254,7 @@ class StageRuntime(StageInspection):
         if not self._own_outputs:
             return outputs
         copied: list[int] = []
-        outputs = self._owned(outputs, state.storages, copied)
+        outputs = state.own(outputs, copied)
         if self._track_outputs and copied:
             if state.tracker is None:
                 state.tracker = OutputTracker(self.name, self.config.output_slots)
@@ -272,19 +272,6 @@ class StageRuntime(StageInspection):
         for s in slots:
             copied[s] = args[s].clone()
         return tuple(copied)
-
-    def _owned(self, outputs: tuple[Any, ...], static: frozenset[int], copied: list[int]) -> tuple[Any, ...]:
-        """``outputs`` with copies of those in static memory (graph outputs, and anything whose storage is
-        in ``static``, like a break op's view of one); their indices go to ``copied``."""
-        owned = list(outputs)
-        for i, r in enumerate(self.program.outputs):
-            value = owned[i]
-            if isinstance(r, Ref) and r.size is None and isinstance(value, torch.Tensor) and (
-                r.slot in self._owned_slots or value.untyped_storage().data_ptr() in static
-            ):
-                owned[i] = value.clone()
-                copied.append(i)
-        return tuple(owned)
 
     # ----------------------------------------------------------------------------------- capture
     def _state_key(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -320,6 +307,13 @@ class StageRuntime(StageInspection):
         except GroupDivergenceError:
             raise  # bad input: nothing was captured, and the next call tries again
         except Exception as e:
+            eager_error = self._eager_error(args) if self._agreement.size == 1 else None
+            if eager_error is not None:  # a bad input (or a model bug), not a capture failure
+                self._states.pop(key, None)
+                add_note(eager_error, f"pp_breakable: {self.name}'s capture failed on this call, and the "
+                         "forward fails without graphs too (this error): not a capture failure, so graphs "
+                         "stay on and the next call captures again")
+                raise eager_error from e
             add_note(e, f"pp_breakable: graphs are off for this module instance of {self.name}; later "
                       "calls run eagerly")
             self.note_fall_off(CAPTURE_FAILED, f"graphs are off for a module instance after its capture "
@@ -336,6 +330,14 @@ class StageRuntime(StageInspection):
             add_note(e, f"pp_breakable: capture of {self.name} was interrupted; nothing it captured is "
                       "kept, and the next call captures again")
             raise
+
+    def _eager_error(self, args: tuple[Any, ...]) -> Exception | None:
+        """What the call raises on the live path (no graphs; not a served forward), or None."""
+        try:
+            self.live_forward(args, self._env(args, self.num_tokens(args)))
+        except Exception as e:
+            return e
+        return None
 
     def _capture(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> StageInstance:
         """A new instance (static buffers allocated); with ``capture="all"`` every (graph segment, bucket)
