@@ -26,8 +26,8 @@ from ppcompile.passes.context import PassContext
 from ppcompile.passes.manager import run_passes
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.observer import CaptureStart
+from ppcompile.runtime.sibling_graphs import StaticCalls, input_changes, plan_static_calls
 from ppcompile.runtime.stage_runtime import RECOMPILE_LIMIT, StageRuntime
-from ppcompile.runtime.validation import input_changes
 
 from .segment_compilers import (
     compile_segments,
@@ -117,7 +117,7 @@ def _lineage(stage: CompiledStage, example_inputs: list[Any]) -> CompiledStage:
             recompile_of = (record.module, modules[record.module].name)
     module, first = recompile_of if recompile_of is not None else (len(modules) + 1, None)
     reason = torch_internals.last_guard_failure(frame) if first is not None else None
-    changes = input_changes(modules[module].compiled.input_specs, stage.input_specs) if first else ()
+    changes = input_changes(modules[module].compiled, stage) if first else ()
     return dataclasses.replace(stage, record=dataclasses.replace(
         stage.record, module=module, recompile_of=first, recompile_reason=reason, input_changes=changes))
 
@@ -133,6 +133,23 @@ def _report_input_changes(runtime: StageRuntime) -> None:
         "for: %s. If that call was a mistake, fix its inputs: calls that match %s are still served by it. "
         "Its first call runs eagerly, so a bad input raises the model's own error before any capture",
         runtime.compiled.name, record.recompile_of, "; ".join(record.input_changes), record.recompile_of)
+
+
+def _link_static_siblings(new: StageRuntime) -> None:
+    """Hands the calls of static stage graphs (a 1-token call's, say) to a symbolic stage graph of the same
+    frame and module, which serves them from its buckets (``runtime/sibling_graphs.py``)."""
+    frame, module = torch_internals.frame_id(new.compiled.record.compile_id), new.compiled.record.module
+    if frame is None:
+        return
+    kin = [rt for rt in stage_runtimes() if torch_internals.frame_id(rt.compiled.record.compile_id) == frame
+           and rt.compiled.record.module == module]
+    for symbolic in (rt for rt in kin if rt.token_symbol is not None and rt.eager_reason is None):
+        for static in (rt for rt in kin if rt.token_symbol is None and rt.served_by is None):
+            plan = plan_static_calls(static.compiled, symbolic.compiled)
+            if plan is not None:
+                static.served_by = StaticCalls(symbolic.name, symbolic, plan)
+                log.info("%s: the calls of %s (static sizes) are served by %s", symbolic.name, static.name,
+                         symbolic.name)
 
 
 def _graph_name() -> str:
@@ -222,6 +239,7 @@ def serve_stage(stage: CompiledStage, config: PPBreakableConfig, example_inputs:
     _remember_state(runtime, example_inputs)
     _check_recompile_budget(runtime)
     _report_input_changes(runtime)
+    _link_static_siblings(runtime)
     on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())
     return runtime

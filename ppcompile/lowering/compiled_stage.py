@@ -81,10 +81,12 @@ def _policy_reason(
     """Why every forward runs eagerly by a documented policy or limit of ppcompile's, or None."""
     if ctx.is_static:
         return (
-            "Dynamo traced concrete token sizes: it always does for a 1-token batch, for the first "
-            "call with dynamic=None, and when the first token count equals another dim of the inputs "
-            "(duck sizing); mark the token dims with torch._dynamo.mark_dynamic(t, 0) to avoid the "
-            "last two" + batch_first_hint(ctx.example_inputs)
+            "Dynamo traced concrete token sizes: it does for a 1-token call (a size of 1 is a constant, "
+            "even on a marked dim), for the first call with dynamic=None, and when the first token count "
+            "equals another dim of the inputs (duck sizing). Its calls run eagerly until Dynamo compiles "
+            "a stage graph of the same module with a symbolic token count (at a call of another count), "
+            "whose buckets then serve them; against the last two causes, mark the token dims before the "
+            "first call (ppcompile.mark_token_dynamic)" + batch_first_hint(ctx.example_inputs)
         )
     if not ctx.eligible:
         return ctx.ineligible_reason
@@ -157,6 +159,7 @@ def lower_stage(
         never_graphs=never_graphs,
         collectives=ctx.collectives,
         bound_inputs=tuple(ctx.bound_inputs),
+        input_names=tuple(n.name for n in split.graph.find_nodes(op="placeholder")),
         record=CompileRecord(
             split_module=split,
             pass_times=types.MappingProxyType(dict(ctx.pass_times)),

@@ -44,8 +44,8 @@ class CompileRecord:
     module: int | None = None
     recompile_of: str | None = None
     recompile_reason: str | None = None  # the guards that failed, with the source lines that added them
-    # How a recompile's lifted inputs differ in structure from the module's first stage graph's (a proxy
-    # key gone or new, a dtype, device or rank): most likely a bad input (``validation.input_changes``).
+    # How a recompile's inputs differ in structure from the module's first stage graph's (a proxy key
+    # gone or new, a dtype, device or rank): most likely a bad input (``sibling_graphs.input_changes``).
     input_changes: tuple[str, ...] = ()
     # Nested compile regions (``trace_layers_once``): subgraph -> the calls it served. Fewer subgraphs
     # than calls is what tracing once saved; one subgraph per call means torch traced every call.
@@ -80,6 +80,8 @@ class CompiledStage:
     collectives: tuple[Collective, ...] = ()
     # Stamped layers' weights: inputs of the stage graph that Dynamo does not pass; appended to each call's.
     bound_inputs: tuple[torch.Tensor, ...] = ()
+    # The graph's placeholder names, by input (Dynamo's names for their sources; () when not known).
+    input_names: tuple[str, ...] = ()
     record: CompileRecord = dataclasses.field(default_factory=lambda: CompileRecord())
 
     @property

@@ -20,6 +20,7 @@ from ppcompile.runtime.codegen import LiveForward
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.program import Program
+from ppcompile.runtime.sibling_graphs import StaticCalls
 
 __all__ = ["StageInspection"]
 
@@ -30,6 +31,7 @@ class StageInspection:
 
     compiled: CompiledStage
     live_forward: LiveForward
+    served_by: StaticCalls | None
 
     # The compiled stage's facts, by the names the public API has always used on the runtime.
     @property
@@ -115,6 +117,17 @@ class StageInspection:
             return f"{self.compiled.name} (module {record.module} of its frame)"
         return self.compiled.name
 
+    def token_source(self) -> str:
+        """Where a call's token count comes from, for messages."""
+        if self.compiled.token_slot is not None:
+            symbol = self.compiled.token_symbol
+            return f"the size argument {symbol} (Dynamo reads it from an input's token dim)"
+        if self.compiled.token_input is None:
+            return "no input"
+        i, d = self.compiled.token_input
+        spec = next((s for s in self.compiled.input_specs if s.slot == i), None)
+        return f"dim {d} of input {spec.name if spec else i!r}"
+
     def describe(self) -> str:
         """A short human-readable summary: segments, breaks and their reasons, buckets."""
         c = self.compiled
@@ -138,7 +151,9 @@ class StageInspection:
                          "expanded from its group's first layer)")
         for layer, why in c.record.traced_flat.items():
             lines.append(f"  traced flat, not stamped: {layer}: {why}")
-        if c.eager_reason:
+        if self.served_by is not None:
+            lines.append(f"  static sizes: its calls are served by {self.served_by.by}'s buckets")
+        elif c.eager_reason:
             lines.append(f"  always eager: {c.eager_reason}")
         for cause, message in self.fall_offs().items():
             lines.append(f"  fell off the graph path ({cause}): {message}")

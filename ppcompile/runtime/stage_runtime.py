@@ -47,6 +47,7 @@ from ppcompile.runtime.group_agreement import Agreement, GroupDivergenceError, a
 from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import ConcurrentCallError, StageInstance
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureRecord
+from ppcompile.runtime.sibling_graphs import StaticCalls
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.validation import InputMismatchError, aliased_slots, check_inputs, storages_of
 from ppcompile.traffic import TokenHistogram, process_histogram
@@ -75,12 +76,14 @@ class StageRuntime(StageInspection):
         self._wrap: Wrap | None = None  # instrumented(): the hook its block wraps graph paths with
         self._warned: set[str] = set()
         # Reliability (docs/reliability.md): input checks, aliased inputs, debug stale-output tracking.
-        self._token_source = self._describe_token_source()
+        self._token_source = self.token_source()
         self._capture_lock = threading.RLock()
         self._debug = config.debug
         self._own_outputs = config.owned_outputs or config.debug
         self._track_outputs = config.debug and not config.owned_outputs
         self._probe_inputs = bool(compiled.record.input_changes)  # _probe: until a first call succeeds
+        # A static stage graph's calls, handed to a symbolic one of its module (sibling_graphs.py).
+        self.served_by: StaticCalls | None = None
         # Live token counts served (a static graph has none); they also feed the process-wide histogram.
         self.traffic = TokenHistogram(feeds=process_histogram())
         self._fall_offs = FallOffs(compiled.record, lambda: self.label)  # note_fall_off
@@ -131,15 +134,6 @@ class StageRuntime(StageInspection):
             env[self.token_symbol] = tokens
         return env
 
-    def _describe_token_source(self) -> str:
-        if self.compiled.token_slot is not None:
-            return f"the size argument {self.token_symbol} (Dynamo reads it from an input's token dim)"
-        if self.compiled.token_input is None:
-            return "no input"
-        i, d = self.compiled.token_input
-        spec = next((s for s in self.compiled.input_specs if s.slot == i), None)
-        return f"dim {d} of input {spec.name if spec else i!r}"
-
     @property
     def agreement(self) -> Agreement:
         """How this stage's TP group agrees (``size`` 1: alone; ``collectives``: how many it issued)."""
@@ -171,7 +165,7 @@ class StageRuntime(StageInspection):
 
     def _call(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if self.token_symbol is None:  # concrete sizes: no token count to record or pad
-            return self.run_eager(args)
+            return self.run_eager(args) if self.served_by is None else self.served_by(args)
         n = self.num_tokens(args)
         self._agreement.check_call([n, self._options_key, len(self.plan.sizes)], self.name, self._debug)
         if n > 0:  # an empty batch is not traffic

@@ -29,7 +29,6 @@ __all__ = [
     "InputSpec",
     "aliased_slots",
     "check_inputs",
-    "input_changes",
     "storages_of",
 ]
 
@@ -129,30 +128,6 @@ def _shape_mismatch(
         f"pp_breakable: input {spec.name!r} of {stage}: expected shape {want}, got {list(shape)}{note}. "
         f"{GUARD_HINT}"
     )
-
-
-def input_changes(before: Sequence[InputSpec], after: Sequence[InputSpec]) -> tuple[str, ...]:
-    """How the lifted inputs of a recompiled stage graph (``after``) differ in structure from those of the
-    stage graph it recompiles (``before``): an input gone or new (a proxy key), or one whose dtype,
-    device or rank changed, one line each (``input 'x': dtype torch.float32 -> torch.float64``). Sizes
-    are not structure: a new fixed size or a token count Dynamo tells apart is not listed. A graph
-    without lifted inputs (static shapes: no token count to lift for) has nothing to compare."""
-    if not before or not after:
-        return ()
-    old = {s.name: s for s in before}
-    new = {s.name: s for s in after}
-    changes = [f"input {name!r}: gone (the earlier graph's {_layout(old[name])})"
-               for name in old if name not in new]
-    changes += [f"input {name!r}: new ({_layout(new[name])})" for name in new if name not in old]
-    for name in old.keys() & new.keys():
-        a, b = old[name], new[name]
-        if (a.dtype, a.device, a.ndim) != (b.dtype, b.device, b.ndim):
-            changes.append(f"input {name!r}: {_layout(a)} -> {_layout(b)}")
-    return tuple(sorted(changes))
-
-
-def _layout(spec: InputSpec) -> str:
-    return f"{str(spec.dtype).removeprefix('torch.')} on {spec.device}, {spec.ndim}-d"
 
 
 def storages_of(tensors: Iterable[Any]) -> frozenset[int]:

@@ -112,10 +112,10 @@ def test_stages_match_eager_and_follow_the_bucket_plan(
         plan = ppcompile.stage_runtimes()[-1].plan
         assert [plan.bucket(n) for n in (3, 8, 9, 20)] == [4, 8, 16, None]
         # A bucket + 1, padding into the smallest bucket, above the cap; then 1 token, which Dynamo
-        # specialises: a new graph with concrete sizes, run eagerly.
-        for n in (9, 3, 20, 1):
+        # specialises: a new graph with concrete sizes, whose calls the symbolic graph serves.
+        for n in (9, 3, 20, 1, 1):
             ids, positions = _ids(n), torch.arange(n)
-            bucket = plan.bucket(n) if n > 1 else None
+            bucket = plan.bucket(n)
             expected = (
                 {"replays": 2, "eager_runs": 0, "replays_by_bucket": {bucket: 2}}
                 if bucket is not None else {"replays": 0, "eager_runs": 2}
@@ -127,6 +127,8 @@ def test_stages_match_eager_and_follow_the_bucket_plan(
             torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5, msg=f"{family}, {n} tokens")
     graphed = [rt for rt in new_runtimes() if rt.eager_reason is None]
     assert len(graphed) == 2
+    static = [rt for rt in new_runtimes() if rt.token_symbol is None]
+    assert len(static) == 2 and all(rt.served_by is not None for rt in static)  # the 1-token graphs
     _check_breaks(family, model, graphed)
 
 
