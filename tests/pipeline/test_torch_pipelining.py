@@ -20,12 +20,15 @@ stages as they are. So here:
 - Every rank passes ``positions`` to ``step()`` as a keyword argument; pipelining chunks it like
   ``input_ids``, so each stage learns its micro-batch's live token count from it (no value read back).
 - ``WireStage`` (eager) slices the live rows off the wire, calls the compiled core on them and pads the
-  core's output back to ``WIRE_TOKENS`` rows. The last stage's logits are not sent: they are returned at
-  the live size (a view into graph memory unless outputs are owned) and merged by the schedule.
+  core's output back to ``WIRE_TOKENS`` rows. The last stage's logits are not sent: the schedule merges
+  them. torch 2.11 checks a last stage's outputs against its ``output_args`` too, so the last core runs on
+  the whole wire (its live rows, then zeros; positions padded likewise) and returns ``WIRE_TOKENS`` rows
+  of logits as they come (a view into graph memory unless outputs are owned); the test keeps each
+  micro-batch's live rows of the merged logits.
 
-The compiled cores thus see the live, unequal token counts; pipelining sees fixed shapes. Micro-batches have
-at least 2 tokens (a 1-token forward gets a Dynamo graph of its own, run eagerly). Attention (SDPA, a break)
-mixes the slots of one token only, so the micro-batch split cannot change the result.
+The first and middle cores thus see the live, unequal token counts; pipelining sees fixed shapes.
+Attention (SDPA, a break) mixes the slots of one token only, so neither the micro-batch split nor the
+padding rows can change a live row.
 
 What it guards: the schedule keeps every micro-batch's logits until it merges them at the end of
 ``step()``, past later calls of the last stage. Outputs that are views into graph memory
@@ -124,7 +127,10 @@ class WireStage(nn.Module):
         n = positions.shape[0]
         if n > WIRE_TOKENS:
             raise ValueError(f"micro-batch of {n} tokens does not fit the {WIRE_TOKENS}-row wire")
-        live = x if self.first else x[:n]
+        if self.last:  # the whole wire: the logits' shape is the output_args' (module docstring)
+            live, positions = x, F.pad(positions, (0, WIRE_TOKENS - n))
+        else:
+            live = x if self.first else x[:n]
         if not self.marked:  # the first call's token dims, as the user guide recommends
             ppcompile.mark_token_dynamic(live, positions)
             self.marked = True
@@ -179,8 +185,10 @@ def _rank_worker(rank: int, world: int, schedule_name: str, options: dict[str, A
         for step in range(len(STEPS)):
             ids, positions = _batch(step)
             out = schedule.step(*([ids] if first else []), positions=positions)
-            if last:
-                logits.append(out.clone())
+            if last:  # each micro-batch's live rows of its WIRE_TOKENS rows
+                sizes = [len(c) for c in torch.tensor_split(positions, N_MICRO)]
+                rows = [out[j * WIRE_TOKENS:j * WIRE_TOKENS + s] for j, s in enumerate(sizes)]
+                logits.append(torch.cat(rows))
     return {"logits": logits, "counters": ppcompile.counters.snapshot(),
             "stage_graphs": len(ppcompile.stage_runtimes()), "warnings": logged.messages}
 
