@@ -10,7 +10,8 @@ by cause, the stage graphs whose forwards stopped reaching the graph path for a 
 documented policy (``StageRuntime.fall_offs()``: one warning per module and cause, however many stage
 graphs Dynamo recompiles for it);
 ``input_recompiles`` counts stage graphs Dynamo recompiled for inputs of another structure than the
-first call's (a proxy key gone or new, a dtype, device or rank: most likely a bad input);
+first call's (a proxy key gone or new, a dtype, device or rank: most likely a bad input), and failed
+recompiles of a stage frame (its trace raised, as for a missing proxy key);
 ``fence_waits`` counts, by kind of fence, the send fences a stage waited before reusing an output ring
 slot (``ppcompile.fence_outputs``).
 """

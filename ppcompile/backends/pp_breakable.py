@@ -11,7 +11,7 @@ import dataclasses
 import gc
 import logging
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from ppcompile.runtime.observer import CaptureStart
 from ppcompile.runtime.sibling_graphs import StaticCalls, input_changes, plan_static_calls
 from ppcompile.runtime.stage_runtime import RECOMPILE_LIMIT, StageRuntime
 
+from . import frame_recovery
 from .segment_compilers import (
     compile_segments,
     compile_times,
@@ -250,8 +251,17 @@ def pp_breakable(
     example_inputs: list[Any],
     options: Mapping[str, Any] | None = None,
     **_: Any,
-) -> StageRuntime:
-    """Compiles one Dynamo graph of a PP stage into a ``StageRuntime``."""
+) -> Callable[..., Any]:
+    """Compiles one Dynamo graph of a PP stage into a ``StageRuntime`` (a graph of a function that a stage
+    frame calls while Dynamo runs that frame uncompiled after a failed recompile runs as traced:
+    ``frame_recovery.py``)."""
+    compile_id = torch_internals.compile_id()
+    frame = torch_internals.frame_id(compile_id)
+    frame_recovery.note_backend_call(frame, torch_internals.frame_compile_index(compile_id))
+    if frame_recovery.inside_a_recovered_stage():
+        return frame_recovery.passthrough(gm)
     config = PPBreakableConfig.from_options(options)
     stage = compile_stage(gm, example_inputs, config)
-    return serve_stage(stage, config, [*example_inputs, *stage.bound_inputs])
+    runtime = serve_stage(stage, config, [*example_inputs, *stage.bound_inputs])
+    frame_recovery.note_stage_frame(frame, runtime.name)
+    return runtime

@@ -131,13 +131,15 @@ class StoredStageGraph(SerializableCallable):
 
 
 def _backend(options: Mapping[str, Any], graphs: list[StoredStageGraph]) -> Any:
-    def compile_stage(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> StoredStageGraph:
+    def compile_stage(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         try:
             graph, why = dumps_stage_graph(gm), None  # before the passes, which rewrite gm
         except GraphCodecError as e:
             graph, why = None, str(e)
         with storing_kernels():  # Inductor segments keep what a restart loads them from
             runtime = pp_breakable(gm, example_inputs, options)
+        if not isinstance(runtime, StageRuntime):
+            return runtime  # a function of a stage frame running uncompiled (frame_recovery.py): not stored
         stored = StoredStageGraph(graph, options, runtime, why)
         graphs.append(stored)
         return stored

@@ -16,10 +16,21 @@ import logging
 
 import pytest
 import torch
-from reliability_helpers import H, Stage, check, compile_stage, inputs, no_guards
+from reliability_helpers import OPTIONS, H, Stage, check, compile_stage, inputs, no_guards
 
+import ppcompile
 from ppcompile import counters, stage_runtimes
+from ppcompile.models import (
+    REFERENCE_CONFIGS,
+    make_batch,
+    make_forward_context,
+    make_stage,
+    set_forward_context,
+)
 from ppcompile.runtime.validation import InputMismatchError
+
+PP_CFG = REFERENCE_CONFIGS["tiny"]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -101,3 +112,38 @@ def test_without_guards_a_wrong_input_is_refused_before_a_lazy_capture() -> None
         assert counters.captures == captures
         with counters.expect(replays=1, eager_runs=0):
             check(c, m, x, residual)
+
+
+def test_a_missing_proxy_key_leaves_later_good_calls_on_the_stage_graph(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A call without a proxy key makes the model raise while Dynamo retraces the stage, and Dynamo then
+    runs the frame uncompiled for good, later good calls as several stage graphs of the functions it
+    calls. ppcompile names the failed recompile once and has the frame compiled again: each good call
+    after a bad one is served by the first stage graph (at most one, in a run of bad calls that compiled
+    nothing, runs uncompiled first), and no other stage graph is built."""
+    stage = make_stage(PP_CFG, 1, 2)
+    compiled = torch.compile(stage, backend="pp_breakable", options={**OPTIONS, "capture_sizes": [8, 16]})
+    first_runtimes = None
+    uncompiled = 0
+    for i, (n, drop) in enumerate([(5, None), (6, "residual"), (7, None), (9, None), (6, "residual"),
+                                   (6, "hidden_states"), (7, None), (12, None), (16, None)]):
+        ids, positions, proxies = make_batch(PP_CFG, [n], 1, 2, seed=i)
+        if i == 0:
+            ppcompile.mark_token_dynamic(ids, positions, proxies)
+        if drop is not None:
+            proxies = ppcompile.PPProxyTensors({k: v for k, v in proxies.items() if k != drop})
+        ctx = make_forward_context([n], PP_CFG, range(stage.start_layer, stage.end_layer))
+        with torch.inference_mode(), set_forward_context(ctx):
+            if drop is not None:
+                with pytest.raises(ValueError, match=f"must contain '{drop}'"):
+                    compiled(ids, positions, pp_proxy_tensors=proxies)
+                continue
+            replays = counters.replays
+            got = compiled(ids, positions, pp_proxy_tensors=proxies).clone()
+            torch.testing.assert_close(got, stage(ids, positions, pp_proxy_tensors=proxies))
+            uncompiled += counters.replays == replays
+        first_runtimes = first_runtimes or stage_runtimes()
+    assert uncompiled <= 1
+    assert stage_runtimes() == first_runtimes and len(first_runtimes) == 1
+    assert counters.input_recompiles >= 1
+    assert len([w for w in _warnings(caplog) if "could not recompile the frame" in w]) == 1

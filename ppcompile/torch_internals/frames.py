@@ -1,0 +1,45 @@
+"""Entries of :mod:`ppcompile.torch_internals` on Dynamo's frames: which code a compile is for, the start
+and end of every Dynamo compile, and turning a frame Dynamo gave up on back on."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+from ppcompile.torch_internals.lookup import lookup as _lookup
+
+__all__ = ["compile_again", "compiling_code", "watch_compiles"]
+
+
+def compiling_code() -> types.CodeType | None:
+    """The code object of the frame Dynamo is compiling now (called from a backend), or None."""
+    translator = _lookup("torch._dynamo.symbolic_convert", "InstructionTranslator",
+                         "to tell which frame a stage graph belongs to")
+    try:
+        code = translator.current_tx().f_code
+    except AttributeError:  # no trace in progress on this thread
+        return None
+    return code if isinstance(code, types.CodeType) else None
+
+
+def watch_compiles(on_start: Callable[[str], None], on_end: Callable[[str], None]) -> None:
+    """Calls ``on_start`` and ``on_end`` with the compile id (``"0/1"``) at the start and the end of every
+    Dynamo compile of a frame, a failed one included."""
+    handler = _lookup("torch._dynamo.callback", "callback_handler", "to see compiles that fail")
+    handler.register_start_callback(lambda args: on_start(str(_compile_id(args))))
+    handler.register_end_callback(lambda args: on_end(str(_compile_id(args))))
+
+
+def _compile_id(args: Any) -> Any:
+    return getattr(args, "compile_id", "")
+
+
+def compile_again(code: types.CodeType) -> None:
+    """Undoes Dynamo's decision to run ``code`` uncompiled from now on (it makes it when a compile of the
+    frame fails): its next call looks up its compiled graphs again, and compiles on a miss."""
+    why = "to compile a frame again after a failed recompile"
+    strategy = _lookup("torch._C._dynamo.eval_frame", "_FrameExecStrategy", why)
+    action = _lookup("torch._C._dynamo.eval_frame", "_FrameAction", why)
+    _lookup("torch._C._dynamo.eval_frame", "set_code_exec_strategy", why)(
+        code, strategy(action.DEFAULT, action.DEFAULT))
