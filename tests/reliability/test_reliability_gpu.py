@@ -47,7 +47,7 @@ def test_cuda_without_guards_a_cpu_input_is_rejected() -> None:
 
 def test_cuda_debug_stale_output_raises() -> None:
     m = Stage().cuda()
-    c = compile_stage(m, graph_mode="cuda", debug=True)
+    c = compile_stage(m, graph_mode="cuda", debug=True, owned_outputs=False)  # debug checks the views
     with torch.no_grad():
         first, _ = _check(c, m, 5)
         view = first[:2]

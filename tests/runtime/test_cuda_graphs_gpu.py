@@ -82,9 +82,9 @@ def test_cuda_graphs_match_eager_across_token_counts(mode: str) -> None:
     assert counters.captures == 2 * len(SIZES)
 
 
-def test_cuda_graph_outputs_valid_until_next_call_unless_owned() -> None:
+def test_cuda_graph_views_valid_until_next_call_and_owned_outputs_by_default() -> None:
     m = _stage()
-    c = _compile(m)
+    c = _compile(m, owned_outputs=False)
     first, _ = c(*_inputs(5, seed=1))
     kept = first.clone()
     second, _ = c(*_inputs(6, seed=2))  # same bucket: overwrites the static output
@@ -92,13 +92,14 @@ def test_cuda_graph_outputs_valid_until_next_call_unless_owned() -> None:
     torch.testing.assert_close(first, second[:5])
     assert not torch.allclose(first, kept)
 
-    torch._dynamo.reset()
-    c = _compile(m, owned_outputs=True)
-    first, _ = c(*_inputs(5, seed=1))
-    kept = first.clone()
-    c(*_inputs(6, seed=2))
-    torch.cuda.synchronize()
-    assert torch.equal(first, kept)
+    for options in ({}, {"owned_outputs": True}):  # the default, and asked for
+        torch._dynamo.reset()
+        c = _compile(m, **options)
+        first, _ = c(*_inputs(5, seed=1))
+        kept = first.clone()
+        c(*_inputs(6, seed=2))
+        torch.cuda.synchronize()
+        assert torch.equal(first, kept)
 
 
 def test_cuda_graphs_under_inference_mode() -> None:
