@@ -8,6 +8,7 @@ import logging
 from ppcompile import envs
 from ppcompile.analysis.op_matching import register_attention_op
 from ppcompile.analysis.token_locality import register_token_local_op
+from ppcompile.backends.bound_options import backend_with_options, register_backend_with_options
 from ppcompile.backends.pp_breakable import pp_breakable, runtimes_of, stage_runtimes
 from ppcompile.backends.warm_cache import clear_warm_cache, warm_cache_dir
 from ppcompile.backends.warm_start import WarmStage, warm_compile
@@ -40,6 +41,7 @@ __all__ = [
     "StaleOutputError",
     "TokenHistogram",
     "WarmStage",
+    "backend_with_options",
     "clear_warm_cache",
     "counters",
     "eager_region",
@@ -51,6 +53,7 @@ __all__ = [
     "plan_buckets",
     "pp_breakable",
     "register_attention_op",
+    "register_backend_with_options",
     "register_token_local_op",
     "runtimes_of",
     "stage_runtimes",

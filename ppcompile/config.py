@@ -269,20 +269,29 @@ class PPBreakableConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> PPBreakableConfig:
-        """Builds the config from ``torch.compile``'s ``options`` dict; rejects unknown keys."""
-        options = dict(options or {})
+        """Builds the config from ``torch.compile``'s ``options`` dict over ``PPCOMPILE_OPTIONS`` (the
+        dict wins where both name a key); rejects unknown keys."""
+        from_env, given = envs.options(), options
+        options = {**from_env, **dict(given or {})}
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:
+            where = " (from PPCOMPILE_OPTIONS)" if set(unknown) <= set(from_env) else ""
             raise ValueError(
-                f"pp_breakable: unknown option(s) {unknown}; valid options are {valid}"
+                f"pp_breakable: unknown option(s) {unknown}{where}; valid options are {valid}"
             )
         if "dump_dir" not in options:
             options["dump_dir"] = envs.dump_dir()
         for key in ("capture_sizes", "compile_sizes"):
             if isinstance(options.get(key), (list, tuple)):
                 options[key] = tuple(options[key])
-        return cls(**options)
+        try:
+            return cls(**options)
+        except ValueError as e:
+            inherited = sorted(k for k in from_env if k not in (given or {}))
+            if inherited:  # in the message: Dynamo's wrapper of a backend's error drops notes
+                raise ValueError(f"{e} (options {inherited} came from PPCOMPILE_OPTIONS)") from None
+            raise
 
     @property
     def cap(self) -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cache_dir", "dump_dir", "log_level", "progress", "untrusted_reason"]
+__all__ = ["cache_dir", "dump_dir", "log_level", "options", "progress", "untrusted_reason"]
 
 
 def cache_dir() -> str:
@@ -40,6 +42,22 @@ def untrusted_reason(path: str | os.PathLike[str]) -> str | None:
 def dump_dir() -> str | None:
     """``PPCOMPILE_DUMP_DIR``: write pass dumps here when the ``dump_dir`` option is not given."""
     return os.environ.get("PPCOMPILE_DUMP_DIR") or None
+
+
+def options() -> dict[str, Any]:
+    """``PPCOMPILE_OPTIONS``: backend options as a JSON object (``{"graph_mode": "emulate"}``), under any
+    ``options=`` a ``torch.compile`` call passes: for engines that own the ``torch.compile`` call, and
+    their spawned workers, which inherit the environment. Unset or empty: none."""
+    value = os.environ.get("PPCOMPILE_OPTIONS", "").strip()
+    if not value:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"PPCOMPILE_OPTIONS: not JSON ({e}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"PPCOMPILE_OPTIONS: expected a JSON object of options, got {value!r}")
+    return parsed
 
 
 def log_level() -> str | None:

@@ -178,13 +178,14 @@ def compile_id() -> Any:
     return _lookup("torch._guards", "CompileContext.current_compile_id", "to name stage graphs")()
 
 
-def register_backend(fn: Callable[..., Any], name: str) -> None:
+def register_backend(fn: Callable[..., Any], name: str) -> bool:
     """Registers ``fn`` as the Dynamo backend ``name`` unless Dynamo knows it already (from the entry
-    point; registering twice raises "duplicate name")."""
+    point; registering twice raises "duplicate name"); whether it did."""
     why, registry = "to register the backend by name", "torch._dynamo.backends.registry"
     if name in _lookup(registry, "_COMPILER_FNS", why) or _lookup(registry, "_BACKENDS", why).get(name):
-        return
+        return False
     _lookup(registry, "register_backend", why)(fn, name=name)
+    return True
 
 
 def _reset_sentinel(*args: Any, **kwargs: Any) -> None:
