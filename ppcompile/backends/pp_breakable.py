@@ -107,18 +107,22 @@ def _lineage(stage: CompiledStage, example_inputs: list[Any]) -> CompiledStage:
     if frame is None or not state:
         return stage
     modules: dict[int, StageRuntime] = {}  # module index -> its first stage graph
+    symbolic: dict[int, StageRuntime] = {}  # module index -> its first with a symbolic token count
     recompile_of = None
     for rt in stage_runtimes():
         record = rt.compiled.record
         if torch_internals.frame_id(record.compile_id) != frame or record.module is None:
             continue
         modules.setdefault(record.module, rt)
+        if rt.token_symbol is not None:
+            symbolic.setdefault(record.module, rt)
         shared = sum(id(t) in state for t in _MODULE_STATE.get(id(rt), ()))
         if recompile_of is None and 2 * shared > len(state):
             recompile_of = (record.module, modules[record.module].name)
     module, first = recompile_of if recompile_of is not None else (len(modules) + 1, None)
     reason = torch_internals.last_guard_failure(frame) if first is not None else None
-    changes = input_changes(modules[module].compiled, stage) if first else ()
+    base = symbolic.get(module) if first else None
+    changes = input_changes(base.compiled, stage) if base is not None else ()
     return dataclasses.replace(stage, record=dataclasses.replace(
         stage.record, module=module, recompile_of=first, recompile_reason=reason, input_changes=changes))
 
@@ -130,10 +134,10 @@ def _report_input_changes(runtime: StageRuntime) -> None:
         return
     counters.input_recompiles += 1
     log.warning(
-        "pp_breakable: %s compiled because a call's inputs differ in structure from those %s was compiled "
-        "for: %s. If that call was a mistake, fix its inputs: calls that match %s are still served by it. "
-        "Its first call runs eagerly, so a bad input raises the model's own error before any capture",
-        runtime.compiled.name, record.recompile_of, "; ".join(record.input_changes), record.recompile_of)
+        "pp_breakable: %s compiled because a call's inputs differ in structure from the earlier calls' of "
+        "its module: %s. If that call was a mistake, fix its inputs: calls that match the earlier ones are "
+        "still served by their stage graph. Its first call runs eagerly, so a bad input raises the "
+        "model's own error before any capture", runtime.compiled.name, "; ".join(record.input_changes))
 
 
 def _link_static_siblings(new: StageRuntime) -> None:

@@ -44,7 +44,7 @@ class CompileRecord:
     module: int | None = None
     recompile_of: str | None = None
     recompile_reason: str | None = None  # the guards that failed, with the source lines that added them
-    # How a recompile's inputs differ in structure from the module's first stage graph's (a proxy key
+    # How a recompile's inputs differ in structure from the module's first symbolic stage graph's (a key
     # gone or new, a dtype, device or rank): most likely a bad input (``sibling_graphs.input_changes``).
     input_changes: tuple[str, ...] = ()
     # Nested compile regions (``trace_layers_once``): subgraph -> the calls it served. Fewer subgraphs

@@ -141,7 +141,7 @@ class StageInspection:
                          "counts it tells apart get stage graphs of their own):")
             lines += [f"    {line}" for line in c.record.recompile_reason.splitlines()]
         if c.record.input_changes:
-            lines.append(f"  inputs differ in structure from {c.record.recompile_of}'s (a bad input?):")
+            lines.append("  inputs differ in structure from the earlier calls' of its module (a bad input?):")
             lines += [f"    {change}" for change in c.record.input_changes]
         if c.record.region_traces:
             lines.append(f"  nested regions: {sum(c.record.region_traces.values())} calls served by "

@@ -32,10 +32,12 @@ __all__ = ["StaticCallPlan", "StaticCalls", "input_changes", "plan_static_calls"
 
 def input_changes(before: CompiledStage, after: CompiledStage) -> tuple[str, ...]:
     """How ``after``'s inputs differ in structure from ``before``'s, one line each (``input 'l_x_':
-    float32 on cpu, 2-d -> float64 on cpu, 2-d``): tensor inputs gone or new (by placeholder name; size
-    symbols and lifted weights of stamped layers aside), and the dtype, device or rank of inputs both copy
-    into static buffers. Sizes are not structure. A graph with concrete sizes (no token count) lifts
-    nothing to compare, so its dtypes are not compared."""
+    float32 on cpu, 2-d -> float64 on cpu, 2-d``): live tensor inputs gone or new (by placeholder name;
+    module state, sizes and scalars aside), and the dtype, device or rank of inputs both copy into static
+    buffers. Sizes are not structure. A graph with concrete sizes (no token count) is not
+    compared: Dynamo specialises inputs away there."""
+    if before.token_symbol is None or after.token_symbol is None:
+        return ()
     old, new = _tensor_names(before), _tensor_names(after)
     changes = [f"input {name!r}: gone" for name in old if name not in new]
     changes += [f"input {name!r}: new" for name in new if name not in old]
@@ -48,10 +50,10 @@ def input_changes(before: CompiledStage, after: CompiledStage) -> tuple[str, ...
 
 
 def _tensor_names(stage: CompiledStage) -> dict[str, None]:
-    """The names of ``stage``'s inputs that Dynamo passes and that are no size symbol, in order."""
-    symbols = {i for i, _ in stage.symbol_slots}
-    passed = len(stage.input_names) - len(stage.bound_inputs)
-    return {name: None for i, name in enumerate(stage.input_names[:passed]) if i not in symbols}
+    """The names of ``stage``'s live tensor inputs (what a call passes: not module state, sizes or
+    scalars), in order."""
+    names = stage.input_names
+    return {names[i]: None for i in stage.tensor_slots if i < len(names)}
 
 
 def _layout(spec: InputSpec) -> str:

@@ -208,9 +208,9 @@ class StageRuntime(StageInspection):
         except Exception as e:
             raise InputMismatchError(
                 f"pp_breakable: {self.label} was compiled for a call whose inputs differ in structure from "
-                f"those {record.recompile_of} serves ({'; '.join(record.input_changes)}), and the forward "
+                f"the earlier calls' of its module ({'; '.join(record.input_changes)}), and the forward "
                 f"fails on them without graphs ({type(e).__name__}: {e}): fix the inputs named. Calls that "
-                f"match {record.recompile_of} are still served by it") from e
+                "match the earlier ones are still served by their stage graph") from e
         self._probe_inputs = False
         return outputs
 

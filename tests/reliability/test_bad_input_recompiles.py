@@ -54,7 +54,7 @@ def test_a_recompile_for_a_bad_dtype_is_named_and_raises_before_any_capture(
         assert recompile.compiled.record.recompile_of == first.compiled.name
         assert "input 'l_x_': float32 on cpu, 2-d -> float64 on cpu, 2-d" in recompile.describe()
         (warning,) = [w for w in _warnings(caplog) if "differ in structure" in w]
-        assert "l_x_" in warning and first.compiled.name in warning
+        assert "l_x_" in warning and recompile.compiled.name in warning
         with counters.expect(replays=1, eager_runs=0, backend_compiles=0):
             check(c, m, *inputs(7, seed=2))  # the first stage graph serves the next good call
         assert not recompile.instances()
