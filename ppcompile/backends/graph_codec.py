@@ -20,6 +20,7 @@ import sympy
 import torch
 
 from ppcompile.torch_internals import current_shape_env
+from ppcompile.torch_internals.frames import outside_the_call
 from ppcompile.torch_internals.precompile import (
     fake_tensor,
     new_fake_mode,
@@ -44,6 +45,7 @@ class GraphCodecError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class _Source:
     name: str
+    outside_call: bool = False  # torch_internals.frames.outside_the_call of the traced source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +117,7 @@ class _Decoder:
 
 def _input_source(grapharg: Any) -> InputSource:
     source = getattr(grapharg, "source", None)
-    return InputSource(None if source is None else _Source(str(source.name)),
+    return InputSource(None if source is None else _Source(str(source.name), outside_the_call(source)),
                        bool(getattr(grapharg, "pass_arg_as_tensor", False)))
 
 

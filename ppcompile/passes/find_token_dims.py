@@ -37,6 +37,7 @@ from ppcompile.analysis.node_facts import BOUND_WEIGHT, SIZE_EXPR, TOKEN_DIMS
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
 from ppcompile.symbolic import example_value, shape_exprs, shape_guards, size_value_expr
+from ppcompile.torch_internals.frames import outside_the_call
 
 __all__ = ["classify_input", "find_token_dims"]
 
@@ -61,6 +62,12 @@ def classify_input(node: torch.fx.Node, example: object) -> InputKind:
     if getattr(grapharg, "pass_arg_as_tensor", False):
         per_call = source is None or _LOCAL_SOURCE.match(source.name)
         return InputKind.SCALAR_ARG if per_call else InputKind.CONSTANT_SCALAR
+    if source is not None and outside_the_call(source) and not any(
+            isinstance(d, torch.SymInt) for d in example.shape):
+        # State the stage reaches outside its arguments (a closure cell, a global, a plain module
+        # attribute: an engine's kernel handle, say): read in place like a parameter, not copied into a
+        # static buffer at every call as a live input is.
+        return InputKind.MODULE_STATE
     return InputKind.TENSOR
 
 

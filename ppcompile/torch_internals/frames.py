@@ -1,5 +1,6 @@
 """Entries of :mod:`ppcompile.torch_internals` on Dynamo's frames: which code a compile is for, the start
-and end of every Dynamo compile, and turning a frame Dynamo gave up on back on."""
+and end of every Dynamo compile, turning a frame Dynamo gave up on back on, and where a graph input
+comes from (the call's arguments, or state the frame reaches otherwise)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from ppcompile.torch_internals.lookup import lookup as _lookup
 
-__all__ = ["compile_again", "compiling_code", "watch_compiles"]
+__all__ = ["compile_again", "compiling_code", "outside_the_call", "watch_compiles"]
 
 
 def compiling_code() -> types.CodeType | None:
@@ -43,3 +44,23 @@ def compile_again(code: types.CodeType) -> None:
     action = _lookup("torch._C._dynamo.eval_frame", "_FrameAction", why)
     _lookup("torch._C._dynamo.eval_frame", "set_code_exec_strategy", why)(
         code, strategy(action.DEFAULT, action.DEFAULT))
+
+
+def outside_the_call(source: Any) -> bool:
+    """Whether a graph input's Dynamo source lies outside the call's arguments: a global, a closure cell
+    (or another local that is no input), or anything reached through an ``nn.Module`` (a parameter, a
+    buffer, a plain tensor attribute). A stand-in that carries the answer (``outside_call``, as the warm
+    restarts' graph codec stores it) gives it. Dynamo's source classes are read by name along ``base``."""
+    known = getattr(source, "outside_call", None)
+    if isinstance(known, bool):
+        return known
+    node = source
+    while node is not None:
+        kind = type(node).__name__
+        if "NNModule" in kind or kind.startswith("Global"):
+            return True
+        if kind == "LocalSource":
+            cell = bool(getattr(node, "is_derefed_cell_contents", False))
+            return cell or not getattr(node, "is_input", True)
+        node = getattr(node, "base", None)
+    return False
