@@ -1,8 +1,8 @@
 """Two stage graphs of one module (Dynamo's compiles of one frame), related by their inputs.
 
-**Inputs of another structure.** A recompile whose tensor inputs differ in structure from the module's
-first stage graph's (an input gone or new, a dtype, device or rank changed) was most likely made for a
-bad input: :func:`input_changes` lists the differences, by the inputs' Dynamo names.
+**Inputs of another structure.** A recompile whose live inputs differ in structure from the module's
+first symbolic stage graph's (an input gone or new, a dtype, device or rank changed) was most likely made
+for a bad input: :func:`input_changes` lists the differences, by the inputs' Dynamo names.
 
 **Static calls served by a symbolic graph.** Dynamo makes a size of 1 a constant, even on a dim marked
 dynamic: a 1-token call gets a stage graph of its own with concrete sizes (as does the first call with
@@ -115,18 +115,10 @@ def plan_static_calls(static: CompiledStage, symbolic: CompiledStage) -> StaticC
 
 
 def _token_source(symbolic: CompiledStage, where: dict[str, int]) -> tuple[int, int] | None:
-    """(static input, dim) holding the token count: the symbolic graph's token input, or a lifted input
-    whose dim is the token count itself."""
-    if symbolic.token_input is not None:
-        slot, dim = symbolic.token_input
-        name = symbolic.input_names[slot]
-        if name in where:
-            return where[name], dim
-    token = symbolic.token_symbol
-    assert token is not None
-    identity: Callable[[Any], bool] = lambda fn: fn({token: 2}) == 2 and fn({token: 3}) == 3  # noqa: E731
-    for spec in symbolic.input_specs:
-        for dim, fn in spec.sized:
-            if spec.name in where and identity(fn):
-                return where[spec.name], dim
-    return None
+    """(static input, dim) holding the token count: the static graph's input that is the symbolic
+    graph's token input (``plan_static_calls`` has matched every tensor input by then)."""
+    if symbolic.token_input is None:
+        return None
+    slot, dim = symbolic.token_input
+    i = where.get(symbolic.input_names[slot])
+    return None if i is None else (i, dim)
