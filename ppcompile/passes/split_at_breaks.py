@@ -5,8 +5,10 @@ attention ops and ``scaled_dot_product_attention``), every op in the ``split_ops
 ``OpOverload`` or packet), nodes whose shapes or size arguments depend on a dynamic symbol other than
 the token count, nodes that read a Python number passed per call (a graph captured per token bucket
 would replay a stale value), nodes ``check_capture_safety`` found a CUDA graph cannot capture, and
-nodes ``check_padding_safety`` found mixing token rows. Each attention or split op gets a partition of
-its own; a run of consecutive breaks of another kind shares one, whose reason names every op of the run.
+nodes ``check_padding_safety`` found mixing token rows. Adjacent breaks (no op between them, or only
+views and size arithmetic, which ``fold_tiny_graphs`` folds) are one break segment: a run of breaks of one
+kind has one reason naming every op of the run; a break of another kind (an attention op and the KV-cache
+write beside it) joins the run, named in the reason's detail.
 ``getitem`` nodes that unpack a break op's tuple stay with it. The split keeps the original node order
 (in-place ops stay where they were); it is ``split_module``'s, built in one walk by
 ``analysis.ordered_split`` (partitions follow the graph order), or by ``split_module`` where that does
@@ -131,6 +133,14 @@ def _extend(reason: BreakReason, node: torch.fx.Node) -> BreakReason:
     return reason if name in ops else dataclasses.replace(reason, op=f"{reason.op}, {name}")
 
 
+def _join(first: BreakReason, second: BreakReason) -> BreakReason:
+    """The reason of a break segment that ``second``'s break joined right after ``first``'s."""
+    joined = f"joined with the next break ({second.kind.value}: {second.op})"
+    if joined in first.detail:
+        return first
+    return dataclasses.replace(first, detail=f"{first.detail}; {joined}" if first.detail else joined)
+
+
 def _has_tensor_output(submod: torch.fx.GraphModule) -> bool:
     (out,) = submod.graph.find_nodes(op="output")
     values = torch.fx.node.map_arg(out.args, lambda n: n)
@@ -169,7 +179,9 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         if node in regions:  # an uncuttable span with a break: one break partition for all of it
             start, region_reason = regions[node]
-            if node is start:
+            if node is start and current_is_break:
+                reasons[part] = _join(reasons[part], region_reason)
+            elif node is start:
                 part += 1
                 reasons[part] = region_reason
                 current_is_break = True
@@ -188,6 +200,10 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                 current_is_break = False
         elif current_is_break and reason.kind in _MERGEABLE and reasons[part].kind is reason.kind:
             reasons[part] = _extend(reasons[part], node)  # one break for a run of one kind
+        elif current_is_break:  # adjacent breaks of different kinds: one break segment
+            reasons[part] = _join(reasons[part], reason)
+            if (layer_id := LAYER_ID.get(node)) is not None:
+                layer_ids[part] = (*layer_ids.get(part, ()), layer_id)
         else:
             part += 1
             reasons[part] = reason

@@ -71,7 +71,7 @@ def test_two_attention_calls_give_five_segments() -> None:
         _assert_same(split(*ex), (m(x),))
 
 
-def test_back_to_back_attention_calls_get_a_partition_each() -> None:
+def test_back_to_back_attention_calls_share_one_break() -> None:
     def f(q: torch.Tensor) -> torch.Tensor:
         a = torch.ops.ppcompile.attention(q, q, q, 0)
         return torch.ops.ppcompile.attention(a, a, a, 1)
@@ -79,8 +79,8 @@ def test_back_to_back_attention_calls_get_a_partition_each() -> None:
     q = torch.randn(5, 2, 4)
     with attention_context(5, (0, 1)):
         split, ex, _ = _split(f, q)
-        assert _kinds(segments(split)) == "bb"
-        assert [s.layer_ids for s in segments(split)] == [(0,), (1,)]
+        assert _kinds(segments(split)) == "b"
+        assert [s.layer_ids for s in segments(split)] == [(0, 1)]
         _check_records(split)
         with torch.no_grad():
             _assert_same(split(*ex), (f(q),))
@@ -298,6 +298,8 @@ def _two_mixes(cheap_ops: int, views: int = 0) -> Any:
     (2, 0, 2, "gbg"),  # two ops <= 2: folded into one break
     (3, 0, 2, "gbgbg"),  # three ops > 2: kept
     (1, 4, 1, "gbg"),  # views launch nothing: one op counts
+    (0, 2, 0, "gbg"),  # only views between the breaks: one break even with folding off
+    (0, 0, 0, "gbg"),  # adjacent breaks: one break
 ])
 def test_tiny_graph_segments_between_breaks_are_folded(
     cheap_ops: int, views: int, fold: int, kinds: str
@@ -310,9 +312,52 @@ def test_tiny_graph_segments_between_breaks_are_folded(
     if kinds == "gbg":
         reason = segments(split)[1].reason
         assert reason is not None and reason.kind is BreakKind.USER_SPLIT_OP
-        assert "joined with the next break" in reason.detail and "add" in reason.detail
+        assert "joined with the next break" in reason.detail
+        assert ("add" in reason.detail) == (cheap_ops > 0)
     with torch.no_grad():
         _assert_same(split(*ex), (f(x),))
+
+
+def test_attention_and_the_cache_write_beside_it_are_one_break() -> None:
+    """An engine's KV-cache write (a split op here) right before its attention op: one break segment,
+    its reason the write's, the attention and its layer id joined."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = torch.ops.pptest.mix(x * self.scale).view(-1, 2, 4)
+            return torch.relu(torch.ops.ppcompile.attention(q, q, q, 3))
+
+    f, x = Layer(), torch.randn(5, 8)
+    with attention_context(5, (3,)):
+        split, ex, _ = _split(f, x, split_ops=["pptest::mix"])
+        assert _kinds(segments(split)) == "gbg"
+        _check_records(split)
+        (brk,) = [s for s in segments(split) if not s.is_graph]
+        assert brk.reason is not None and brk.reason.kind is BreakKind.USER_SPLIT_OP
+        assert "joined with the next break (attention: ppcompile.attention" in brk.reason.detail
+        assert brk.layer_ids == (3,)
+        with torch.no_grad():
+            _assert_same(split(*ex), (f(x),))
+
+
+def test_a_kernel_between_two_breaks_keeps_them_apart_without_folding() -> None:
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = (torch.ops.pptest.mix(x) + self.scale).view(-1, 2, 4)
+            return torch.ops.ppcompile.attention(q, q, q, 3)
+
+    f, x = Layer(), torch.randn(5, 8)
+    with attention_context(5, (3,)):
+        split, _, _ = _split(f, x, split_ops=["pptest::mix"])
+    assert _kinds(segments(split)) == "bgb"
 
 
 def test_folding_joins_layer_ids_and_keeps_the_first_and_last_graphs() -> None:
