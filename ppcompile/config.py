@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ppcompile import envs
+from ppcompile.engine_ops import refuse_token_local
 
 __all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PPBreakableConfig",
            "default_capture_ladder", "graph_path_mode", "is_process_group", "live_mode_reason",
@@ -120,7 +121,7 @@ class PPBreakableConfig:
             largest first, until this many seconds are spent; the rest stay lazy.
         fold_graph_ops: a graph segment between two breaks with at most this many kernel-launching ops
             (views and size arithmetic are free) runs eagerly, joining the breaks around it into one;
-            0 keeps every graph segment.
+            0 keeps every graph segment that launches a kernel.
         copy_kernel: how the graph path copies live inputs into static buffers and break outputs into
             bridges: ``"triton"`` (one fused launch per copy point: all inputs, or all copied outputs of
             one break; needs Triton: CUDA, or its CPU interpreter), ``"torch"`` (a ``copy_`` and a
@@ -340,7 +341,15 @@ def _checked_ops(key: str, ops: Any) -> tuple[Any, ...]:
     for op in ops:
         if isinstance(op, str) and (op.count("::") != 1 or not all(op.split("::"))):
             _bad(key, op, 'strings of the form "namespace::op"')
+        if key == "token_local_ops":
+            refuse_token_local(_qualified_name(op))
     return tuple(ops)
+
+
+def _qualified_name(op: Any) -> str:
+    """``"ns::name"`` of an op given as a string, a packet or an overload."""
+    packet = getattr(op, "overloadpacket", op)
+    return op if isinstance(op, str) else str(getattr(packet, "_qualified_op_name", ""))
 
 
 def _op_key(op: Any) -> str:

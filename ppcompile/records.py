@@ -21,6 +21,7 @@ class BreakKind(str, enum.Enum):
     HOST_SCALAR = "host scalar argument"
     NO_TENSOR_OUTPUTS = "no tensor outputs"
     EAGER_REGION = "declared eager region"
+    STATE_WRITE = "engine state write"
 
 
 @dataclasses.dataclass(frozen=True)

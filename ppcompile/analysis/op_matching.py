@@ -8,12 +8,15 @@ from typing import Any
 
 import torch
 
+from ppcompile.engine_ops import EngineOp, OpRole, engine_op, layer_from_name, names_with_role
 from ppcompile.torch_internals import C_SCALED_DOT_PRODUCT_ATTENTION, OpOverload, OpOverloadPacket
 
 __all__ = [
     "ATTENTION_LAYER_ARGS",
     "OpMatcher",
     "always_split_ops",
+    "engine_entry",
+    "loaded_ops",
     "op_name",
     "register_attention_op",
     "resolve_op",
@@ -73,15 +76,32 @@ def op_name(node: torch.fx.Node, *, qualified: bool = False) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def always_split_ops() -> list[Any]:
-    """Attention ops that are breaks in every stage: the registered attention ops and SDPA."""
-    ops: list[Any] = list(_SDPA_TARGETS)
-    for name in ATTENTION_LAYER_ARGS:
+def loaded_ops(names: Iterable[str]) -> list[Any]:
+    """The ops of ``names`` (``"ns::name"``) registered in this process; the others are skipped (not
+    loaded here: no graph can contain them)."""
+    ops: list[Any] = []
+    for name in names:
         try:
             ops.append(resolve_op(name))
         except ValueError:
-            continue  # not loaded in this process: no graph can contain it
+            continue
     return ops
+
+
+def always_split_ops() -> list[Any]:
+    """Ops that are breaks in every stage: the registered attention ops, SDPA, and the known engine ops
+    that are attention or write state through a context (``engine_ops``)."""
+    engine = names_with_role(OpRole.ATTENTION) + names_with_role(OpRole.STATE_WRITE)
+    return [*_SDPA_TARGETS, *loaded_ops([*ATTENTION_LAYER_ARGS, *engine])]
+
+
+def engine_entry(node: torch.fx.Node) -> EngineOp | None:
+    """The entry of the known engine op ``node`` calls (``engine_ops.ENGINE_OPS``), or None."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    packet = target.overloadpacket if isinstance(target, OpOverload) else target
+    return engine_op(packet._qualified_op_name) if isinstance(packet, OpOverloadPacket) else None
 
 
 class OpMatcher:
@@ -107,12 +127,16 @@ class OpMatcher:
 
 
 def attention_layer_id(node: torch.fx.Node) -> int | None:
-    """The global layer id argument of a call to a registered attention op, or None."""
+    """The global layer id a call to a registered attention op (or a known engine's) passes: an int
+    argument, or the one integer of a layer-name argument; None otherwise."""
     target = node.target
     packet = target.overloadpacket if isinstance(target, OpOverload) else target
     if not isinstance(packet, OpOverloadPacket):
         return None
     arg_name = ATTENTION_LAYER_ARGS.get(packet._qualified_op_name)
+    if arg_name is None:
+        entry = engine_op(packet._qualified_op_name)
+        arg_name = entry.layer_arg if entry is not None and entry.role is OpRole.ATTENTION else None
     if arg_name is None:
         return None
     if arg_name in node.kwargs:
@@ -123,4 +147,4 @@ def attention_layer_id(node: torch.fx.Node) -> int | None:
         if arg_name not in names or names.index(arg_name) >= len(node.args):
             return None
         value = node.args[names.index(arg_name)]
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return layer_from_name(value)

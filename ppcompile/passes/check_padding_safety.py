@@ -38,9 +38,10 @@ import torch
 
 from ppcompile.analysis.mutation import mutated_inputs
 from ppcompile.analysis.node_facts import COLLECTIVE, PADDING_UNSAFE, TOKEN_LOCAL, token_dims
-from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name, resolve_op
+from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, engine_entry, op_name, resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, Tail, causal_conv_tail, escaping_tails
 from ppcompile.analysis.token_locality import is_registered_token_local, rule_for
+from ppcompile.engine_ops import OpRole
 from ppcompile.errors import source_line
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
@@ -98,9 +99,10 @@ def _verdict(
     # In-place methods, out=, and ops whose schema writes.
     written = next((p for p in mutated_inputs(node) if p not in lifted), None)
     collective = COLLECTIVE.get(node)
+    entry = engine_entry(node)
     declared = TOKEN_LOCAL.has(node) or (collective is not None and collective.unsafe is None) or (
         node.op == "call_function" and is_registered_token_local(node.target, extra_safe)
-    )
+    ) or (entry is not None and entry.role is OpRole.TOKEN_LOCAL)
     if shrinking is None and written is None and declared:
         return None
     rule = rule_for(node)
@@ -112,7 +114,8 @@ def _verdict(
     if collective is not None and collective.unsafe is not None:
         return f"{_op_label(node)} {collective.unsafe}"
     if rule is None:
-        return f"{_op_label(node)} is not known to be token-local (register it if it is)"
+        return (f"{_op_label(node)} is not known to be token-local (register it if it is; if it writes "
+                "state outside its outputs, such as a KV cache through a context, list it in split_ops)")
     problem = rule(node)
     return None if problem is None else f"{_op_label(node)} {problem}"
 
@@ -123,7 +126,8 @@ def _flag(node: torch.fx.Node, reason: str, ctx: PassContext) -> None:
             f"pp_breakable: {reason}, so padded rows would leak into live rows "
             f"({ctx.graph_name}, node {node.name}, at {source_line(node)}). Use on_unsafe='break' "
             f"to run it eagerly, or register it with ppcompile.register_token_local_op if it is "
-            f"token-local."
+            f"token-local (an op that writes state outside its outputs, such as a KV cache through a "
+            f"context, is not: list it in split_ops)."
         )
     PADDING_UNSAFE.set(node, reason)
     log.info("%s: %s at %s: runs eagerly (padding safety)", ctx.graph_name, reason, source_line(node))

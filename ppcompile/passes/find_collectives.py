@@ -33,7 +33,8 @@ import torch
 
 from ppcompile.analysis.collectives import find_collective_uses, functional_collective
 from ppcompile.analysis.node_facts import COLLECTIVE
-from ppcompile.analysis.op_matching import OpMatcher
+from ppcompile.analysis.op_matching import OpMatcher, loaded_ops
+from ppcompile.engine_ops import OpRole, names_with_role
 from ppcompile.errors import source_line
 from ppcompile.passes.context import PassContext, PassResult
 
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 def find_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Records ``meta["pp_collective"]`` on collective nodes and ``ctx.collectives``."""
-    declared = OpMatcher(ctx.config.collective_ops)
+    declared = OpMatcher([*ctx.config.collective_ops, *loaded_ops(names_with_role(OpRole.ALL_REDUCE))])
     uses = find_collective_uses(gm.graph, declared.matches)
     calls = []
     for node, use in uses.items():

@@ -54,9 +54,10 @@ from ppcompile.analysis.node_facts import (
     TOKEN_LOCAL,
     segments,
 )
-from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, op_name
+from ppcompile.analysis.op_matching import OpMatcher, always_split_ops, engine_entry, op_name
 from ppcompile.analysis.ordered_split import split_in_order
 from ppcompile.analysis.partitions import atomic_regions, fold_tiny_graphs
+from ppcompile.engine_ops import OpRole
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
 from ppcompile.regions import is_library_label
@@ -98,6 +99,9 @@ def _break_reason(
     if (region := EAGER_REGION.get(node)) is not None and not is_library_label(region):
         return BreakReason(BreakKind.EAGER_REGION, op_name(node, qualified=True),
                            f"traced inside {region}, declared an eager region", trace)
+    if (entry := engine_entry(node)) is not None and entry.role is OpRole.STATE_WRITE:
+        return BreakReason(BreakKind.STATE_WRITE, op_name(node, qualified=True),
+                           f"writes {entry.writes} through {entry.engine}'s forward context", trace)
     if attention.matches(node):
         layer = LAYER_ID.get(node)
         detail = f"global layer {layer}" if layer is not None else ""
