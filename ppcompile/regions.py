@@ -53,7 +53,8 @@ import torch
 import torch.fx.traceback
 from torch import nn
 
-__all__ = ["ANNOTATION_KEY", "LIBRARY_MODULES", "LIBRARY_PREFIX", "LIBRARY_REGIONS", "OPAQUE_LIBRARY_MIXERS",
+__all__ = ["ANNOTATION_KEY", "LIBRARY_MODULES", "LIBRARY_MOE_BLOCKS", "LIBRARY_PREFIX", "LIBRARY_REGIONS",
+           "OPAQUE_LIBRARY_MIXERS",
            "class_label", "declared_classes", "declared_functions", "eager_region", "is_declared",
            "is_library_label", "library_functions", "opaque_library_mixers", "opaque_module", "token_local",
            "undeclare"]
@@ -135,7 +136,19 @@ OPAQUE_LIBRARY_MIXERS: frozenset[str] = frozenset(f"transformers.models.{path}" 
     "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
 ))
 """Library mixer classes (``module.QualName``) that :func:`opaque_library_mixers` makes opaque."""
-LIBRARY_MODULES: frozenset[str] = OPAQUE_LIBRARY_MIXERS | frozenset(
+LIBRARY_MOE_BLOCKS: frozenset[str] = frozenset(f"transformers.models.{path}" for path in (
+    # Sparse-MoE blocks: routing sorts the tokens by expert, the expert loop reads a histogram on the host
+    # and the results are scattered back by index, a break at each (three per block). Token-local as a
+    # whole (``token_local``'s contract: no capacity, nothing kept across tokens), which a user may
+    # declare to keep them in graphs; undeclared, each block is one library region: one break.
+    "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock", "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock", "deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE",
+    "gpt_oss.modeling_gpt_oss.GptOssMLP", "qwen3_next.modeling_qwen3_next.Qwen3NextSparseMoeBlock",
+    "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMoE",
+    "jamba.modeling_jamba.JambaSparseMoeBlock",
+))
+"""Library sparse-MoE block classes (``module.QualName``): library regions unless declared token-local."""
+LIBRARY_MODULES: frozenset[str] = OPAQUE_LIBRARY_MIXERS | LIBRARY_MOE_BLOCKS | frozenset(
     f"transformers.models.{path}" for path in (
     # State-space and short-convolution mixers: written in torch (no mamba_ssm / causal_conv1d kernels),
     # a chunked scan pads the tokens to the chunk size, folds them into chunks, takes segment sums and

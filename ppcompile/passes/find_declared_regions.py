@@ -22,6 +22,10 @@ After (same code)::
     sort.meta["pp_token_local"] == scatter.meta["pp_token_local"] == "moe (mymodel.Moe)"
     ctx.token_local_regions == ("moe (mymodel.Moe)",)
 
+Library modules (``regions.LIBRARY_MODULES``: HF's state-space mixers and sparse-MoE blocks) are
+library regions, ``meta["pp_eager_region"]`` with a ``library region:`` label, and hold any region
+declared inside them, except that a sparse-MoE block declared token-local stays token-local.
+
 **Eager regions.** Nodes whose stack trace passes through a function declared with
 ``ppcompile.eager_region`` get ``meta["pp_eager_region"]`` (the function's name); ``split_at_breaks``
 makes each run of them one break. Before/after, with ``chunked_scan`` declared::
@@ -46,6 +50,7 @@ from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.regions import (
     ANNOTATION_KEY,
     LIBRARY_MODULES,
+    LIBRARY_MOE_BLOCKS,
     LIBRARY_PREFIX,
     class_label,
     declared_classes,
@@ -56,6 +61,7 @@ __all__ = ["find_declared_regions"]
 
 log = logging.getLogger(__name__)
 
+_MOE_SUFFIXES = tuple(f"({label})" for label in LIBRARY_MOE_BLOCKS)
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")  # Dynamo's source of the compiled module itself
 _FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
 
@@ -90,7 +96,10 @@ def _regions_of(
     key = (id(stack), annotated)
     found = seen.get(key)
     if found is None:
-        found = seen[key] = (_region_of(stack, LIBRARY_MODULES, None), _region_of(stack, classes, annotated))
+        library, declared = _region_of(stack, LIBRARY_MODULES, None), _region_of(stack, classes, annotated)
+        if declared is not None and library is not None and library.endswith(_MOE_SUFFIXES):
+            library = None  # a sparse-MoE block declared token-local stays in graphs, as declared
+        found = seen[key] = (library, declared)
     return found
 
 

@@ -211,6 +211,27 @@ def test_batched_mm_experts_break_only_at_token_folds(new_runtimes: Callable[[],
     assert unsafe and all(re.search(r"repeat_interleave|reshape|view", r) for r in unsafe), unsafe
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "granitemoehybrid", "jamba"])
+def test_undeclared_moe_blocks_break_once_each(
+    family: str, new_runtimes: Callable[[], list[StageRuntime]]
+) -> None:
+    """Without declarations (a user's own wrapper), each library sparse-MoE block is one break."""
+    model = _model(family)
+    stages = _compile(model, declare_regions=False)
+    with torch.inference_mode():
+        for n in (8, 5, 1, 20):
+            ids = _ids(n)
+            logits = _pipeline(stages, ids, torch.arange(n))
+            torch.testing.assert_close(logits, model(ids[None]).logits[0], rtol=1e-5, atol=1e-5)
+    blocks = [m for m in model.modules() if type(m).__name__ in TOKEN_LOCAL_BLOCKS]
+    assert blocks
+    symbolic = [rt for rt in new_runtimes() if rt.token_symbol is not None]
+    moe_breaks = [r for rt in symbolic for r in rt.break_reasons if "library region" in r.op
+                  and any(name in r.op for name in TOKEN_LOCAL_BLOCKS)]
+    assert len(moe_breaks) == len(blocks), [str(r) for rt in symbolic for r in rt.break_reasons]
+    assert ppcompile.counters.replays > 0
+
+
 def test_sliding_window_mask_is_graphed_and_bridged() -> None:
     model = _model("mistral", sliding_window=4)
     stages = _compile(model)
