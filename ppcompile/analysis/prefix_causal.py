@@ -26,11 +26,14 @@ import torch
 from ppcompile.analysis.node_facts import token_dim_sizes
 from ppcompile.analysis.op_matching import op_name
 from ppcompile.symbolic import example_value, first_exceeding
+from ppcompile.torch_internals import OpOverload, OpOverloadPacket
 
 __all__ = ["CONV_OPS", "SCAN_OPS", "Tail", "causal_conv_tail", "escaping_tails", "is_prefix_slice"]
 
 SCAN_OPS = frozenset(("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"))
-CONV_OPS = frozenset(("conv1d",))
+# By ``op_name``: ``conv1d`` (the function, the aten packet) and ``conv1d.default`` (the aten overload of
+# an exported graph), so that a causal conv's tail is followed there too. Rules are keyed by the plain name.
+CONV_OPS = frozenset(("conv1d", "conv1d.default"))
 
 
 def _int(value: Any) -> int | None:
@@ -38,6 +41,10 @@ def _int(value: Any) -> int | None:
     if isinstance(value, (tuple, list)) and len(value) == 1:
         value = value[0]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _argument(node: torch.fx.Node, i: int, key: str, default: Any) -> Any:
+    return node.kwargs.get(key, node.args[i] if len(node.args) > i else default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +64,7 @@ def causal_conv_tail(node: torch.fx.Node) -> Tail | str | None:
     input rows ``j - p .. j - p + d * (k - 1)``; causal when ``d * (k - 1) <= p``.
     """
     def arg(i: int, key: str, default: Any) -> Any:
-        return node.kwargs.get(key, node.args[i] if len(node.args) > i else default)
+        return _argument(node, i, key, default)
 
     x = arg(0, "input", None)
     token = token_dim_sizes(x)
@@ -81,18 +88,36 @@ def causal_conv_tail(node: torch.fx.Node) -> Tail | str | None:
     return Tail(out, clean, frozenset((node,)))
 
 
+def _slice_kind(node: torch.fx.Node) -> str | None:
+    """``"narrow"`` for ``narrow`` (a method, a function, ``aten.narrow``), ``"slice"`` for
+    ``aten.slice`` (``x[..., :k]`` in an exported graph), else None."""
+    target = node.target
+    if isinstance(target, OpOverload):
+        target = target.overloadpacket
+    if isinstance(target, OpOverloadPacket):
+        return _ATEN_SLICES.get(target._qualified_op_name)
+    return "narrow" if node.op in ("call_method", "call_function") and op_name(node) == "narrow" else None
+
+
+_ATEN_SLICES = {"aten::narrow": "narrow", "aten::narrow_copy": "narrow", "aten::slice": "slice",
+                "aten::slice_copy": "slice"}
+
+
 def is_prefix_slice(node: torch.fx.Node) -> bool:
-    """``x[..., :k]`` / ``x.narrow(d, 0, k)`` taking a prefix of each token dim it touches (start 0, step
-    1) and nothing else along token dims."""
+    """``x[..., :k]`` / ``x.narrow(d, 0, k)`` / ``aten.slice(x, d, 0, k)`` taking a prefix of each token
+    dim it touches (start 0, step 1) and nothing else along token dims."""
     src = node.args[0] if node.args else None
     token = token_dim_sizes(src)
-    if not token or not isinstance(src, torch.fx.Node) or len(node.args) < 2:
+    if not token or not isinstance(src, torch.fx.Node):
         return False
-    if op_name(node) == "narrow":
-        dim, start = node.args[1], node.args[2] if len(node.args) > 2 else None
+    kind = _slice_kind(node)
+    if kind is not None:  # narrow(x, dim, start, length), slice(x, dim=0, start=None, end=None, step=1)
+        dim, start = _argument(node, 1, "dim", 0), _argument(node, 2, "start", None)
+        step = _argument(node, 4, "step", 1) if kind == "slice" else 1
         rank = example_value(src).dim()
-        return isinstance(dim, int) and dim % rank in token and isinstance(start, int) and start == 0
-    if node.op != "call_function" or node.target is not operator.getitem:
+        return (isinstance(dim, int) and dim % rank in token and (start is None or _int(start) == 0)
+                and _int(step) == 1)
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) < 2:
         return False
     index: Any = node.args[1]
     items: list[Any] = list(index) if isinstance(index, tuple) else [index]

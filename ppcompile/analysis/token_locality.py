@@ -6,6 +6,11 @@ below decide that from the op's semantics and the traced token dims of its argum
 (``meta["pp_token_dims"]``, set by ``find_token_dims``). A rule returns ``None`` when the node is
 token-local, else the reason it is not. Ops without a rule are unsafe unless registered with
 ``register_token_local_op`` (or the ``token_local_ops`` option).
+
+Rules are keyed by name: a torch function's, a ``Tensor`` method's, an aten op's (``aten::slice`` is
+``slice``). A rule reads an aten op's arguments by the op's own schema (:func:`_arg`), not in the order
+of the torch function of the same name: ``aten.embedding(weight, indices)`` against
+``F.embedding(input, weight)``, ``aten.var.default(self, unbiased)``, which has no ``dim``.
 """
 
 from __future__ import annotations
@@ -47,26 +52,51 @@ def is_registered_token_local(target: Any, extra: Sequence[Any] = ()) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def _value(arg: Any) -> Any:
+    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, torch.fx.Node) else None
+
+
 def _ndim(arg: Any) -> int:
-    value = arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, torch.fx.Node) else None
+    value = _value(arg)
     return value.dim() if isinstance(value, torch.Tensor) else 0
 
 
 def _is_tensor(arg: Any) -> bool:
-    return isinstance(arg, torch.fx.Node) and isinstance(
-        arg.meta.get("example_value", arg.meta.get("val")), torch.Tensor
-    )
+    return isinstance(_value(arg), torch.Tensor)
+
+
+def _positions(target: Any, name: str) -> set[int] | None:
+    """Where an aten op's schema takes ``name`` positionally (None: not an op). A packet's overloads on
+    tensors may each take it: ``aten.slice`` is ``slice.Tensor`` here, not ``slice.str``."""
+    if isinstance(target, OpOverload):
+        schemas = [target._schema]
+    elif isinstance(target, OpOverloadPacket):
+        schemas = [s for s in (getattr(target, o)._schema for o in target.overloads())
+                   if s.arguments and str(s.arguments[0].type) == "Tensor"]
+    else:
+        return None
+    return {i for s in schemas for i, a in enumerate(s.arguments) if a.name == name and not a.kwarg_only}
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of ``node``: a keyword, else positional ``index`` (the torch function's), but
+    for an op the position its schema gives ``name``; ``default`` where the op has no such argument
+    (``aten.var.default(self, unbiased)`` has no ``dim``) or the call leaves it out."""
     if name in node.kwargs:
         return node.kwargs[name]
+    positions = _positions(node.target, name)
+    if positions is not None and len(positions) != 1:
+        return default if not positions else _arg_at(node, index, default)  # several: torch's order
+    return _arg_at(node, positions.pop() if positions else index, default)
+
+
+def _arg_at(node: torch.fx.Node, index: int, default: Any) -> Any:
     return node.args[index] if len(node.args) > index else default
 
 
 def _norm_dims(dim: Any, ndim: int) -> list[int] | None:
-    if dim is None:
-        return None
+    if dim is None or isinstance(dim, bool):
+        return None  # a bool where a dim may stand is ``unbiased`` (``x.var(True)``): every dim
     dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
     if not all(isinstance(d, int) for d in dims):
         return []  # a dynamic dim index: treated as unknown below
@@ -129,15 +159,46 @@ def linear(node: torch.fx.Node) -> str | None:
 
 def matmul(node: torch.fx.Node) -> str | None:
     """Matrix products: token-local unless a contracted dim is a token dim."""
-    a, b = node.args[0], node.args[1]
+    return _contracts(node.args[0], node.args[1])
+
+
+def _contracts(a: Any, b: Any) -> str | None:
     if _ndim(a) - 1 in token_dim_sizes(a) or max(_ndim(b) - 2, 0) in token_dim_sizes(b):
         return "contracts over the token dim"
     return None
 
 
+def addmm(node: torch.fx.Node) -> str | None:
+    """``addmm(bias, a, b)``, ``baddbmm``: a matrix product plus an elementwise add.
+
+    Token-local unless a contracted dim is a token dim (``aten.linear`` decomposed: ``addmm(b, x, t(w))``)."""
+    return _contracts(node.args[1], node.args[2]) or pointwise(node)
+
+
 def embedding(node: torch.fx.Node) -> str | None:
     """Table lookups by token-major indices: token-local unless the table scales with tokens."""
-    return "its table scales with tokens" if token_dim_sizes(node.args[1]) else None
+    table = _arg(node, 0 if node.target is torch.embedding else 1, "weight")  # F.embedding(input, weight)
+    return "its table scales with tokens" if token_dim_sizes(table) else None
+
+
+def index(node: torch.fx.Node) -> str | None:
+    """``aten.index(x, indices)`` (``x[idx]``): token-local unless it indexes a token dim of ``x``.
+
+    A bool mask indexes as many dims as it has."""
+    src, indices = node.args[0], _arg(node, 1, "indices", ())
+    token = token_dim_sizes(src)
+    if not _is_tensor(src) or not token:
+        return None
+    if not isinstance(indices, (list, tuple)):
+        return "gathers along the token dim"
+    dim = 0
+    for idx in indices:
+        mask = _is_tensor(idx) and _value(idx).dtype in (torch.bool, torch.uint8)
+        width = _ndim(idx) if mask else 1
+        if idx is not None and any(d in token for d in range(dim, dim + width)):
+            return "gathers along the token dim"
+        dim += width
+    return None
 
 
 def permute(node: torch.fx.Node) -> str | None:
@@ -214,11 +275,14 @@ def layer_norm(node: torch.fx.Node) -> str | None:
 
 
 def narrow(node: torch.fx.Node) -> str | None:
-    """``narrow(dim, start, length)``: a prefix of a token dim (start 0) is prefix-causal; other starts
-    shift rows."""
-    if is_prefix_slice(node):
+    """``narrow``, ``aten.slice``: token-local along other dims; a token-dim prefix is prefix-causal.
+
+    ``narrow(dim, start, length)``, ``aten.slice(dim, start, end, step)``: a prefix of a token dim (start
+    0, step 1) reads rows ``<= i`` only; other starts or steps shift rows."""
+    src = node.args[0] if node.args else None
+    if not _is_tensor(src) or is_prefix_slice(node):
         return None
-    return _touching(_norm_dims(_arg(node, 1, "dim"), _ndim(node.args[0])), node.args[0], "slices")
+    return _touching(_norm_dims(_arg(node, 1, "dim", 0), _ndim(src)), src, "slices")
 
 
 def scan(node: torch.fx.Node) -> str | None:
@@ -239,7 +303,7 @@ def item(node: torch.fx.Node) -> str | None:
 
 
 def factory(node: torch.fx.Node) -> str | None:
-    """New tensors and metadata (factories, ``stack``, sizes): always token-local."""
+    """New tensors and metadata (factories, ``stack``, sizes, metadata asserts): always token-local."""
     return None  # new tensors: each row is filled independently
 
 
@@ -255,6 +319,8 @@ _POINTWISE = (
     "type_as", "contiguous", "clone", "detach", "iadd", "isub", "imul", "itruediv", "add_", "sub_",
     "mul_", "div_", "copy_", "fill_", "zero_", "clamp_", "masked_fill_", "relu_", "silu_", "zeros_like",
     "ones_like", "empty_like", "full_like", "dropout", "nan_to_num", "expand", "expand_as",
+    # aten ops of exported and AOT graphs
+    "_to_copy", "copy", "alias", "lift_fresh_copy", "rsub", "true_divide", "floor_divide",
 )
 
 RULES: dict[str, Rule] = {name: pointwise for name in _POINTWISE}
@@ -262,30 +328,36 @@ RULES.update({
     name: _reduce(None) for name in
     (
         "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "logsumexp", "argmax",
-        "argmin", "any", "all", "nansum", "nanmean",
+        "argmin", "any", "all", "nansum", "nanmean", "var_mean", "std_mean",
     )
 })
-RULES["norm"] = _reduce(None, index=2)  # norm(x, p, dim)
-RULES.update({name: _reduce(None, what="normalizes") for name in ("softmax", "log_softmax")})
+RULES.update({name: _reduce(None, index=2) for name in ("norm", "linalg_vector_norm")})  # (x, p, dim)
+RULES.update({name: _reduce(None, what="normalizes") for name in (
+    "softmax", "log_softmax", "_softmax", "_log_softmax")})
 RULES.update({name: scan for name in SCAN_OPS})
-RULES.update({name: conv1d for name in CONV_OPS})
+RULES.update({name: conv1d for name in CONV_OPS if "." not in name})
 RULES.update({"topk": _dim_op(2, -1, "ranks"), "sort": _dim_op(1, -1, "ranks"),
               "argsort": _dim_op(1, -1, "ranks"), "kthvalue": _dim_op(2, -1, "ranks")})
-RULES.update({name: _dim_op(2, 0, "splits") for name in ("split", "chunk", "tensor_split")})
-RULES.update({"unbind": _dim_op(1, 0, "splits"), "narrow": narrow,
-              "select": _dim_op(1, None, "selects")})
+RULES.update({name: _dim_op(2, 0, "splits") for name in (
+    "split", "chunk", "tensor_split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes")})
+RULES.update({"unbind": _dim_op(1, 0, "splits"), "select": _dim_op(1, None, "selects"), "index": index,
+              "_unsafe_index": index})
+RULES.update({name: narrow for name in ("narrow", "narrow_copy", "slice", "slice_copy")})
 RULES.update({name: _dim_op(1, None, "gathers or scatters") for name in (
     "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "index_select",
     "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_")})
 RULES.update({name: reshape for name in (
-    "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as")})
+    "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as",
+    "_unsafe_view")})
 RULES.update({name: permute for name in ("transpose", "permute", "t", "movedim", "swapaxes", "swapdims")})
 RULES.update({name: factory for name in (
     "zeros", "ones", "empty", "full", "arange", "tensor", "scalar_tensor", "size", "dim", "stride",
     "numel", "sym_size", "sym_numel", "sym_stride", "get_device", "new_empty", "new_zeros", "new_ones",
-    "new_full", "empty_strided")})
+    "new_full", "empty_strided", "sym_storage_offset", "_assert_tensor_metadata")})
 RULES["repeat_interleave"] = _dim_op(2, None, "repeats")  # repeat_interleave(x, repeats, dim)
 RULES.update({"linear": linear, "matmul": matmul, "mm": matmul, "bmm": matmul, "embedding": embedding,
+              "addmm": addmm, "baddbmm": addmm, "native_layer_norm": layer_norm,
+              "_fused_rms_norm": layer_norm, "_local_scalar_dense": item,
               "getitem": getitem, "cat": cat, "concat": cat, "concatenate": cat, "stack": factory,
               "layer_norm": layer_norm, "rms_norm": layer_norm, "item": item})
 # stack adds a new dim and keeps each input's token dims: token-local like a factory of its inputs.
