@@ -134,6 +134,11 @@ def test_a_state_writer_cannot_be_declared_token_local(op: Any) -> None:
         ppcompile.backend_with_options({"token_local_ops": [op]})
 
 
+def test_a_state_writer_cannot_be_registered_token_local() -> None:
+    with pytest.raises(ValueError, match="cannot be token-local"):
+        ppcompile.register_token_local_op(torch.ops.vllm.unified_kv_cache_update.default)
+
+
 def test_declaring_a_known_token_local_op_again_is_harmless(fresh_dynamo: None) -> None:
     torch.manual_seed(0)
     stage = Stage(first=0, count=1)

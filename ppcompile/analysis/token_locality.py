@@ -25,6 +25,7 @@ import torch
 from ppcompile.analysis.node_facts import token_dim_sizes
 from ppcompile.analysis.op_matching import resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
+from ppcompile.engine_ops import refuse_token_local
 from ppcompile.torch_internals import OpOverload, OpOverloadPacket
 
 __all__ = [
@@ -41,8 +42,12 @@ _REGISTERED: set[Any] = set()
 
 def register_token_local_op(op: Any) -> None:
     """Declares ``op`` (an op, packet, or ``"ns::name"``) token-local: row i of its outputs depends only
-    on row i of its inputs, so it may run inside graphs on padded buckets."""
-    _REGISTERED.add(resolve_op(op))
+    on row i of its inputs, so it may run inside graphs on padded buckets. A known engine op that writes
+    state through a context (``engine_ops``) raises ``ValueError``."""
+    resolved = resolve_op(op)
+    packet = resolved.overloadpacket if isinstance(resolved, OpOverload) else resolved
+    refuse_token_local(str(getattr(packet, "_qualified_op_name", "")))
+    _REGISTERED.add(resolved)
 
 
 def is_registered_token_local(target: Any, extra: Sequence[Any] = ()) -> bool:
