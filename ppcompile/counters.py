@@ -12,6 +12,8 @@ graphs Dynamo recompiles for it);
 ``input_recompiles`` counts stage graphs Dynamo recompiled for inputs of another structure than the
 first call's (a proxy key gone or new, a dtype, device or rank: most likely a bad input), and failed
 recompiles of a stage frame (its trace raised, as for a missing proxy key);
+``token_count_mismatches`` counts forwards whose inputs marked dynamic one by one, served as one token
+count, differed in size (run eagerly, ``runtime/token_counts.py``);
 ``fence_waits`` counts, by kind of fence, the send fences a stage waited before reusing an output ring
 slot (``ppcompile.fence_outputs``).
 """
@@ -37,6 +39,7 @@ class Counters:
     segment_cache_hits: int = 0
     eager_code_reuses: int = 0
     input_recompiles: int = 0
+    token_count_mismatches: int = 0
     replays_by_bucket: Counter[int] = dataclasses.field(default_factory=Counter)
     fall_offs: Counter[str] = dataclasses.field(default_factory=Counter)
     fence_waits: Counter[str] = dataclasses.field(default_factory=Counter)

@@ -43,7 +43,8 @@ def mark_token_dynamic(*values: Any, dim: int = 0) -> int:
     ``values`` may hold tensors, mappings (a ``dict`` or ``PPProxyTensors`` of proxies), lists and
     tuples of them, and anything else (``None``, ints), which is skipped. Call it on the first call's
     inputs before that call; Dynamo's dynamic graph then serves every later token count. Tensors with
-    no dim ``dim`` are skipped. Returns how many tensors were marked.
+    no dim ``dim`` are skipped. Returns how many tensors were marked. Each tensor gets a symbol of its
+    own unless an op relates them; ``find_token_dims`` reads those equal at this call as one token count.
 
     Example::
 

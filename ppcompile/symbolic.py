@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import sympy
@@ -19,8 +20,11 @@ from ppcompile.torch_internals import (
     sympy_interp_python,
 )
 
-__all__ = ["SizeFn", "example_value", "first_decrease", "first_exceeding", "holds_at", "shape_exprs",
-           "shape_guards", "size_expr", "size_hints", "size_value_expr"]
+__all__ = ["SizeFn", "example_value", "first_decrease", "first_exceeding", "holds_at", "merge_symbols",
+           "merged_symbols", "shape_exprs", "shape_guards", "size_expr", "size_hints", "size_value_expr"]
+
+# Per ShapeEnv (weakly): symbols ``find_token_dims`` merged into the token symbol (``merge_symbols``).
+_MERGED: weakref.WeakKeyDictionary[Any, dict[sympy.Symbol, sympy.Symbol]] = weakref.WeakKeyDictionary()
 
 
 def example_value(node: torch.fx.Node) -> Any:
@@ -29,15 +33,44 @@ def example_value(node: torch.fx.Node) -> Any:
 
 
 def size_expr(size: int | torch.SymInt) -> sympy.Expr:
-    """A size as a sympy expression, with the ShapeEnv's replacements applied."""
+    """A size as a sympy expression, with the ShapeEnv's replacements applied, and the symbols merged
+    into the token symbol (``merge_symbols``) replaced by it."""
     if isinstance(size, torch.SymInt):
         node = size.node
         expr = node.expr
         shape_env = symint_shape_env(size)
         if shape_env is not None:
             expr = shape_env.simplify(expr)
+            merged = _MERGED.get(shape_env)
+            if merged:
+                expr = expr.xreplace(merged)
         return expr
     return sympy.Integer(int(size))
+
+
+def merge_symbols(size: torch.SymInt, symbols: Iterable[sympy.Symbol], into: sympy.Symbol) -> None:
+    """From now on, ``size_expr`` of any size of ``size``'s ShapeEnv reads each of ``symbols`` as
+    ``into``: Dynamo gave separately marked token dims symbols of their own (``s0``, ``s80``), and the
+    stage serves them as one token count (``find_token_dims``; each call checks that they agree).
+    Dynamo's ShapeEnv itself is left as it is. Merges already made for the ShapeEnv (an earlier graph of
+    the same trace) keep pointing at one symbol."""
+    shape_env = symint_shape_env(size)
+    if shape_env is None:
+        raise RuntimeError(f"merge_symbols: {size!r} belongs to no shape env (a traced SymInt has one)")
+    merged = _MERGED.setdefault(shape_env, {})
+    into = merged.get(into, into)
+    for s in {merged.get(s, s) for s in symbols}:  # what each reads as so far
+        if s != into:
+            merged[s] = into
+    for s, target in merged.items():  # an earlier merge into a symbol merged now
+        if target in merged:
+            merged[s] = into
+
+
+def merged_symbols(size: torch.SymInt) -> dict[sympy.Symbol, sympy.Symbol]:
+    """The symbols merged so far in ``size``'s ShapeEnv, each with the symbol it reads as."""
+    shape_env = symint_shape_env(size)
+    return dict(_MERGED.get(shape_env, {})) if shape_env is not None else {}
 
 
 def size_hints(size: int | torch.SymInt) -> dict[sympy.Symbol, int | None]:
@@ -202,11 +235,14 @@ def shape_guards(size: torch.SymInt, symbol: sympy.Symbol) -> tuple[sympy.Basic,
     symbol: the graph's sizes were simplified for token counts where they hold (``Eq(Mod(s0, 16), 15)``
     turns a pad count into the constant 1). Bounds and inequalities (``s0 < 4``, ``Ne(s0, 8)``) simplify
     no size; they say which branch the Python took (a sliding-window mask or none), which graphed
-    token-local ops do not depend on. ``size`` is any SymInt of the graph (it carries the ShapeEnv)."""
+    token-local ops do not depend on. ``size`` is any SymInt of the graph (it carries the ShapeEnv).
+    Symbols merged into ``symbol`` (``merge_symbols``) read as ``symbol`` here too."""
     shape_env = symint_shape_env(size)
     if shape_env is None:
         raise RuntimeError(f"shape_guards: {size!r} belongs to no shape env (a traced SymInt has one)")
-    guards = shape_env_guards(shape_env)
+    merged = _MERGED.get(shape_env)
+    guards = tuple(g.xreplace(merged) for g in shape_env_guards(shape_env)) if merged \
+        else shape_env_guards(shape_env)
     return tuple(e for e in guards if isinstance(e, sympy.Eq) and e.free_symbols == {symbol})
 
 

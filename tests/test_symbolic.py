@@ -104,3 +104,31 @@ def test_first_decrease_finds_pad_counts_and_accepts_growing_sizes() -> None:
     assert first_decrease(FloorDiv(s, 4) + 3 * s, s, 64) is None
     assert first_decrease(sympy.Integer(7), s, 64) is None
     assert first_decrease(64 - s, s, 64) == 1
+
+
+def test_merged_symbols_read_as_the_one_they_were_merged_into() -> None:
+    """``merge_symbols``: sizes of the ShapeEnv read merged symbols as their target, in every expression
+    and in the shape guards; a later merge into another symbol carries the earlier ones along. Dynamo's
+    ShapeEnv is not changed."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from ppcompile.symbolic import merge_symbols, merged_symbols, shape_guards
+
+    env = ShapeEnv()
+
+    def sym(name: str) -> torch.SymInt:
+        symbol = env.create_symbol(6, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        return env.create_symintnode(symbol, hint=6)
+
+    a, b, c = sym("a"), sym("b"), sym("c")
+    (sa,), (sb,), (sc,) = (x.node.expr.free_symbols for x in (a, b, c))
+    assert len({sa, sb, sc}) == 3
+    assert bool(b % 2 == 0)  # a guard on b alone
+    merge_symbols(a, [sb], sa)
+    assert size_expr(b) == sa and size_expr(2 * b + a) == 3 * sa and size_expr(c) == sc
+    assert sympy.Eq(Mod(sa, 2), 0) in shape_guards(a, sa)
+    merge_symbols(c, [sa], sc)
+    assert merged_symbols(a) == {sa: sc, sb: sc}
+    assert size_expr(b) == sc and size_expr(a + b) == 2 * sc
+    assert b.node.expr == sb and not env.replacements  # the ShapeEnv itself is as it was

@@ -160,6 +160,7 @@ def lower_stage(
         collectives=ctx.collectives,
         bound_inputs=tuple(ctx.bound_inputs),
         input_names=tuple(n.name for n in split.graph.find_nodes(op="placeholder")),
+        merged_token_dims=ctx.merged_token_dims,
         record=CompileRecord(
             split_module=split,
             pass_times=types.MappingProxyType(dict(ctx.pass_times)),

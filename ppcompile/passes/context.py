@@ -38,7 +38,8 @@ class PassContext:
     ``inline_nested_regions`` fills ``region_traces``; ``expand_stamped_layers`` fills ``stamped_layers``,
     ``traced_flat`` and ``bound_inputs`` (stamped layers' weights: graph inputs the runtime appends to each
     call's);
-    ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input`` and ``token_guards``;
+    ``find_token_dims`` fills ``token_symbol``, ``input_kinds``, ``token_input``, ``merged_token_dims`` and
+    ``token_guards``;
     ``find_declared_regions`` fills ``token_local_regions``; ``find_collectives`` fills ``collectives``;
     ``align_global_layers`` fills ``layer_ids`` and ``eligible``; ``lift_static_inputs`` fills
     ``static_inputs``. Facts about single nodes (token dims, break verdicts, segments, static buffers and
@@ -52,6 +53,9 @@ class PassContext:
     token_symbol: sympy.Symbol | None = None
     input_kinds: list[InputKind] = dataclasses.field(default_factory=list)
     token_input: tuple[int, int] | None = None  # (input index, dim) that carries the token count
+    # (input index, dim, Dynamo's symbol) of the inputs whose token dim had a symbol of its own, merged
+    # into the token symbol (marked dynamic one by one, equal at the traced call): checked per call.
+    merged_token_dims: tuple[tuple[int, int, str], ...] = ()
     symint_inputs: dict[int, sympy.Expr] = dataclasses.field(default_factory=dict)
     other_symbols: frozenset[sympy.Symbol] = frozenset()
     token_local_regions: tuple[str, ...] = ()

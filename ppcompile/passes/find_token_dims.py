@@ -7,6 +7,14 @@ holding one) get ``meta["pp_size_expr"]``.
 Sizes are sympy expressions after the ShapeEnv's replacements, so an output of size ``s0 // 2`` is
 recorded as ``FloorDiv(s0, 2)`` and later trims to ``n // 2``.
 
+Inputs marked dynamic one by one (``torch._dynamo.mark_dynamic`` per tensor, as vLLM marks
+``input_ids``, ``positions`` and each PP proxy) get a symbol each (``s0``, ``s80``) unless an op
+relates them. Bare symbols of call arguments' token dims that were equal (and at least 2) at the traced
+call are one token count: they are merged into the token symbol (``symbolic.merge_symbols``; every
+size reads ``s80`` as ``s0`` from then on), so ops that read ``positions`` are no
+non-token-shape breaks. ``ctx.merged_token_dims`` lists the inputs that carried them: each call checks
+that their sizes agree, and a call where they differ runs eagerly (``runtime/token_counts.py``).
+
 Before (Dynamo graph; ``s0`` is the token count)::
 
     def forward(self, s0: Sym(s0), L_x_: f32[s0, 64], L_w_: f32[64, 64]):
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter
+from typing import Any
 
 import sympy
 import torch
@@ -36,7 +44,16 @@ import torch
 from ppcompile.analysis.node_facts import BOUND_WEIGHT, SIZE_EXPR, TOKEN_DIMS
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
-from ppcompile.symbolic import example_value, shape_exprs, shape_guards, size_value_expr
+from ppcompile.symbolic import (
+    example_value,
+    merge_symbols,
+    merged_symbols,
+    shape_exprs,
+    shape_guards,
+    size_expr,
+    size_hints,
+    size_value_expr,
+)
 from ppcompile.torch_internals.frames import outside_the_call
 
 __all__ = ["classify_input", "find_token_dims"]
@@ -71,55 +88,111 @@ def classify_input(node: torch.fx.Node, example: object) -> InputKind:
     return InputKind.TENSOR
 
 
+_Carrier = tuple[int, int, sympy.Symbol, Any]  # (input, dim, its bare symbol, the SymInt)
+_MIN_MERGED_HINT = 2  # sizes 0 and 1 are Dynamo's constants; a 1 matches every batch dim of 1
+
+
+def _merge_key(symbol: sympy.Symbol, carriers: list[_Carrier], placeholders: list[torch.fx.Node]) -> object:
+    """Symbols with one key are one token count: the traced value of a symbol (its hint) when it is the
+    token dim of call arguments only (no global, closure or module attribute) and at least 2; else the
+    symbol alone (never merged)."""
+    hint = size_hints(carriers[0][3]).get(symbol)
+    if hint is None or hint < _MIN_MERGED_HINT:
+        return symbol
+    for i, _, _, _ in carriers:
+        source = getattr(placeholders[i].meta.get("grapharg"), "source", None)
+        if source is not None and outside_the_call(source):
+            return symbol
+    return ("hint", hint)
+
+
+def _vote(
+    carriers: list[_Carrier], placeholders: list[torch.fx.Node]
+) -> tuple[sympy.Symbol, tuple[int, int], tuple[sympy.Symbol, ...]]:
+    """The token symbol, the (input, dim) that first carries it, and the symbols merged into it.
+
+    Inputs marked dynamic one by one (``torch._dynamo.mark_dynamic`` per tensor, as vLLM marks
+    ``input_ids``, ``positions`` and each PP proxy) get a symbol each: those equal at the traced call
+    (``_merge_key``) vote together and are one token count. The group with the most inputs wins (the
+    first input's on a tie); its symbol is the first input's, or one an earlier graph of the same trace
+    merged others into."""
+    by_symbol: dict[sympy.Symbol, list[_Carrier]] = {}
+    for c in carriers:
+        by_symbol.setdefault(c[2], []).append(c)
+    groups: dict[object, list[sympy.Symbol]] = {}
+    for symbol, cs in by_symbol.items():
+        groups.setdefault(_merge_key(symbol, cs, placeholders), []).append(symbol)
+
+    def score(key: object) -> tuple[int, int]:
+        members = groups[key]
+        return sum(len(by_symbol[m]) for m in members), -min(by_symbol[m][0][0] for m in members)
+
+    members = groups[max(groups, key=score)]
+    targets = set(merged_symbols(carriers[0][3]).values())
+    symbol = next((m for m in members if m in targets), members[0])  # members: in input order
+    first = by_symbol[symbol][0]
+    return symbol, (first[0], first[1]), tuple(m for m in members if m != symbol)
+
+
 def _pick_token_symbol(
     placeholders: list[torch.fx.Node], kinds: list[InputKind]
-) -> tuple[sympy.Symbol | None, tuple[int, int] | None]:
-    """The token symbol and the (input, dim) that first carries it.
+) -> tuple[sympy.Symbol | None, tuple[int, int] | None, tuple[sympy.Symbol, ...]]:
+    """The token symbol, the (input, dim) that first carries it, and the symbols merged into it.
 
     Tokens are packed along the leading dim (``[T]``, ``[T, H]``): the bare symbol most often found as
-    a live tensor input's leading dim wins. Failing that, the ``[1, T, ...]`` layout of batch-first
+    a live tensor input's leading dim wins (symbols of inputs marked one by one that are equal at the
+    traced call count as one, ``_vote``). Failing that, the ``[1, T, ...]`` layout of batch-first
     model code, when dim 1 of every live input whose dim 0 is 1 is a bare symbol: the most common of
-    them (inputs marked one by one may carry different symbols; the others stay inputs with a dynamic
-    size of their own). Anything else (say a
-    top-k width that stayed dynamic while a 1-token batch pinned the token dim to 1) is not the
-    token count: the graph is then treated as having concrete token sizes.
+    them, voted alike. Anything else (say a top-k width that stayed dynamic while a 1-token batch
+    pinned the token dim to 1) is not the token count: the graph is then treated as having concrete
+    token sizes.
     """
     tensors = [
-        (i, shape_exprs(example_value(node)))
+        (i, example_value(node), shape_exprs(example_value(node)))
         for i, (node, kind) in enumerate(zip(placeholders, kinds))
         if kind is InputKind.TENSOR and example_value(node).dim() > 0
     ]
-    votes: Counter[sympy.Symbol] = Counter()
-    first: dict[sympy.Symbol, tuple[int, int]] = {}
-    for i, exprs in tensors:
-        if isinstance(exprs[0], sympy.Symbol):
-            votes[exprs[0]] += 1
-            first.setdefault(exprs[0], (i, 0))
-    if votes:
-        symbol = max(votes, key=lambda s: (votes[s], -first[s][0]))
-        return symbol, first[symbol]
-    batch_first = [(i, exprs) for i, exprs in tensors if len(exprs) > 1 and exprs[0] == 1]
-    if batch_first and all(isinstance(exprs[1], sympy.Symbol) for _, exprs in batch_first):
-        for i, exprs in batch_first:  # the most common symbol, the first input's on a tie
-            votes[exprs[1]] += 1
-            first.setdefault(exprs[1], (i, 1))
-        symbol = max(votes, key=lambda s: (votes[s], -first[s][0]))
-        return symbol, first[symbol]
-    return None, None
+    leading = [(i, 0, exprs[0], value.shape[0]) for i, value, exprs in tensors
+               if isinstance(exprs[0], sympy.Symbol)]
+    if leading:
+        return _vote(leading, placeholders)
+    batch_first = [(i, value, exprs) for i, value, exprs in tensors if len(exprs) > 1 and exprs[0] == 1]
+    if batch_first and all(isinstance(exprs[1], sympy.Symbol) for _, _, exprs in batch_first):
+        return _vote([(i, 1, exprs[1], value.shape[1]) for i, value, exprs in batch_first], placeholders)
+    return None, None, ()
+
+
+def _merge(placeholders: list[torch.fx.Node], ctx: PassContext, merged: tuple[sympy.Symbol, ...]) -> None:
+    """Reads ``merged`` as the token symbol from now on, and records which inputs carried them."""
+    assert ctx.token_symbol is not None and ctx.token_input is not None
+    i, d = ctx.token_input
+    dims = []
+    for k, (node, kind) in enumerate(zip(placeholders, ctx.input_kinds)):
+        value = example_value(node)
+        if kind is InputKind.TENSOR and value.dim() > d and (symbol := size_expr(value.shape[d])) in merged:
+            dims.append((k, d, str(symbol)))
+    merge_symbols(example_value(placeholders[i]).shape[d], merged, ctx.token_symbol)
+    ctx.merged_token_dims = tuple(dims)
+    log.info("%s: inputs marked dynamic one by one, equal at the traced call, are one token count %s: %s",
+             ctx.graph_name, ctx.token_symbol,
+             ", ".join(f"{placeholders[k].name} dim {dim} ({symbol})" for k, dim, symbol in dims))
 
 
 def find_token_dims(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Annotates token dims on every node; fills ``ctx.token_symbol``, ``input_kinds``, ``token_input`` and
-    ``token_guards`` (Dynamo's guards on the token count: buckets where one fails are not captured)."""
+    """Annotates token dims on every node; fills ``ctx.token_symbol``, ``input_kinds``, ``token_input``,
+    ``merged_token_dims`` and ``token_guards`` (Dynamo's guards on the token count: buckets where one
+    fails are not captured)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     examples = [example_value(p) for p in placeholders]
     ctx.input_kinds = [classify_input(p, ex) for p, ex in zip(placeholders, examples)]
-    ctx.token_symbol, ctx.token_input = _pick_token_symbol(placeholders, ctx.input_kinds)
+    ctx.token_symbol, ctx.token_input, merged = _pick_token_symbol(placeholders, ctx.input_kinds)
     token = ctx.token_symbol
     if token is None:
         log.info("%s: no dynamic token dim (Dynamo traced concrete sizes); the stage runs eagerly "
                  "until Dynamo recompiles it dynamic", ctx.graph_name)
         return PassResult(gm, modified=False)
+    if merged:
+        _merge(placeholders, ctx, merged)
 
     others: set[sympy.Symbol] = set()
     # By traced value: the copies of a stamped layer's ops share their exemplar's traced values.

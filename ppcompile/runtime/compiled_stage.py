@@ -82,6 +82,9 @@ class CompiledStage:
     bound_inputs: tuple[torch.Tensor, ...] = ()
     # The graph's placeholder names, by input (Dynamo's names for their sources; () when not known).
     input_names: tuple[str, ...] = ()
+    # (input, dim, Dynamo's symbol) of live inputs whose token dim had a symbol of its own, merged into
+    # the token symbol (marked dynamic one by one): each call checks they hold the token count.
+    merged_token_dims: tuple[tuple[int, int, str], ...] = ()
     record: CompileRecord = dataclasses.field(default_factory=lambda: CompileRecord())
 
     @property

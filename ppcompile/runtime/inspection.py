@@ -21,6 +21,7 @@ from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.program import Program
 from ppcompile.runtime.sibling_graphs import StaticCalls
+from ppcompile.runtime.token_counts import TokenCounts
 
 __all__ = ["StageInspection"]
 
@@ -32,6 +33,7 @@ class StageInspection:
     compiled: CompiledStage
     live_forward: LiveForward
     served_by: StaticCalls | None
+    token_counts: TokenCounts
 
     # The compiled stage's facts, by the names the public API has always used on the runtime.
     @property
@@ -140,6 +142,8 @@ class StageInspection:
             lines.append("  recompiled: these guards failed, each with the source line that added it (the "
                          "counts it tells apart get stage graphs of their own):")
             lines += [f"    {line}" for line in c.record.recompile_reason.splitlines()]
+        if c.merged_token_dims:
+            lines.append(f"  {self.token_counts.describe()}")
         if c.record.input_changes:
             lines.append("  inputs differ in structure from the earlier calls' of its module (a bad input?):")
             lines += [f"    {change}" for change in c.record.input_changes]

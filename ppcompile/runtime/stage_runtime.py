@@ -49,6 +49,7 @@ from ppcompile.runtime.instance import ConcurrentCallError, StageInstance
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureRecord
 from ppcompile.runtime.sibling_graphs import StaticCalls
 from ppcompile.runtime.stale_outputs import OutputTracker
+from ppcompile.runtime.token_counts import TokenCounts
 from ppcompile.runtime.validation import InputMismatchError, aliased_slots, check_inputs, storages_of
 from ppcompile.traffic import TokenHistogram, process_histogram
 
@@ -87,6 +88,7 @@ class StageRuntime(StageInspection):
         # Live token counts served (a static graph has none); they also feed the process-wide histogram.
         self.traffic = TokenHistogram(feeds=process_histogram())
         self._fall_offs = FallOffs(compiled.record, lambda: self.label)  # note_fall_off
+        self.token_counts = TokenCounts(compiled, lambda: self.label)  # merged token dims, checked per call
         # A stage with collectives decides alike on every rank of its TP group (group_agreement.py).
         self._agreement = agreement_for(config.tp_group, compiled.collectives, compiled.name)
         self._options_key = int(config.compute_hash()[:15], 16)
@@ -170,6 +172,8 @@ class StageRuntime(StageInspection):
         self._agreement.check_call([n, self._options_key, len(self.plan.sizes)], self.name, self._debug)
         if n > 0:  # an empty batch is not traffic
             self.traffic.record(n)
+        if self.token_counts.differ(args, n):
+            return self.token_counts.run_eager(args)
         if self.eager_reason is not None:
             return self.run_eager(args)
         b = self.plan.bucket(n)
