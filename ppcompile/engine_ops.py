@@ -8,7 +8,8 @@ discover and declare them. Each entry names the op as registered (``"namespace::
   rotary embeddings by position, per-token quantisation). It stays in graph segments.
 - ``ATTENTION``: an attention break. Its ``layer_arg`` names the argument that carries the layer: an int,
   or a module path such as ``"model.layers.7.self_attn.attn"`` whose one integer component is the global
-  layer id.
+  layer id (vLLM passes it as a string constant, or on torch >= 2.11 as a ``LayerName`` object that
+  Dynamo makes a graph input: its traced value is read).
 - ``STATE_WRITE``: writes state outside its outputs through the engine's forward context (the KV cache,
   a state-space layer's conv and SSM states) while its schema declares no mutation, so no analysis can
   see the write. Always a break, run on the live rows only: on padded rows it would write padding into
@@ -114,10 +115,13 @@ _INTEGER = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
 
 
 def layer_from_name(value: Any) -> int | None:
-    """The global layer id an attention op's layer argument carries: an int as is, a module path by its
-    one integer component (``"model.layers.7.self_attn.attn"`` -> 7); None when there is none or several."""
+    """The global layer id an attention op's layer argument carries: an int as is, a module path (or an
+    object holding one as ``value``) by its one integer component (``"model.layers.7.self_attn.attn"``
+    -> 7); None when there is none or several."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
+    if not isinstance(value, str):
+        value = getattr(value, "value", None)  # a name wrapped in an object (vLLM's LayerName)
     if not isinstance(value, str):
         return None
     found = _INTEGER.findall(value)

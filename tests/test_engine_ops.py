@@ -169,3 +169,25 @@ def test_every_entry_is_a_registered_name_with_a_role() -> None:
             assert entry.writes and entry.layer_arg, name
     assert "vllm::unified_kv_cache_update" in names_with_role(OpRole.STATE_WRITE)
     assert "_C::onednn_mm" in names_with_role(OpRole.TOKEN_LOCAL)
+
+
+class _LayerName:
+    """What vLLM passes on torch >= 2.11: the layer name wrapped in an object, a graph input to Dynamo."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+
+def test_a_layer_name_passed_as_a_graph_input_gives_the_layer() -> None:
+    from ppcompile.analysis.op_matching import attention_layer_id
+
+    graph = torch.fx.Graph()
+    q, name = graph.placeholder("q"), graph.placeholder("layer_name")
+    out = graph.call_function(torch.ops.aten.empty_like.default, (q,))
+    call = graph.call_function(torch.ops.vllm.unified_attention_with_output.default, (q, q, q, out, name))
+    graph.output(out)
+    assert attention_layer_id(call, {name: _LayerName("model.layers.5.self_attn.attn")}) == 5
+    assert attention_layer_id(call) is None  # the input's value unknown: no layer
+    const = graph.call_function(torch.ops.vllm.unified_attention_with_output.default,
+                                (q, q, q, out, "model.layers.6.self_attn.attn"))
+    assert attention_layer_id(const) == 6

@@ -3,7 +3,7 @@ naming a node's op (:func:`op_name`) for rules keyed by name and for messages.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -126,9 +126,12 @@ class OpMatcher:
         return isinstance(target, OpOverload) and target.overloadpacket in self._targets
 
 
-def attention_layer_id(node: torch.fx.Node) -> int | None:
+def attention_layer_id(
+    node: torch.fx.Node, input_values: Mapping[torch.fx.Node, Any] | None = None
+) -> int | None:
     """The global layer id a call to a registered attention op (or a known engine's) passes: an int
-    argument, or the one integer of a layer-name argument; None otherwise."""
+    argument, or the one integer of a layer-name argument, given as a constant or as a graph input whose
+    traced value ``input_values`` holds; None otherwise."""
     target = node.target
     packet = target.overloadpacket if isinstance(target, OpOverload) else target
     if not isinstance(packet, OpOverloadPacket):
@@ -147,4 +150,6 @@ def attention_layer_id(node: torch.fx.Node) -> int | None:
         if arg_name not in names or names.index(arg_name) >= len(node.args):
             return None
         value = node.args[names.index(arg_name)]
+    if isinstance(value, torch.fx.Node) and input_values is not None:
+        value = input_values.get(value)  # a graph input (vLLM's layer-name object): its traced value
     return layer_from_name(value)

@@ -37,10 +37,11 @@ log = logging.getLogger(__name__)
 def align_global_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Records ``meta["pp_layer_id"]`` on attention nodes and fills ``ctx.layer_ids`` / ``eligible``."""
     seen: dict[int, torch.fx.Node] = {}
+    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), ctx.example_inputs))
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        layer_id = attention_layer_id(node)
+        layer_id = attention_layer_id(node, inputs)
         if layer_id is None:
             continue
         if layer_id in seen:
