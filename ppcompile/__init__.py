@@ -14,7 +14,7 @@ from ppcompile.backends.warm_cache import clear_warm_cache, warm_cache_dir
 from ppcompile.backends.warm_start import WarmStage, warm_compile
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
-from ppcompile.dynamic import mark_token_dynamic
+from ppcompile.dynamic import TokenMarking, mark_first_call, mark_token_dynamic
 from ppcompile.layer_regions import layer_region_plans, trace_layers_once
 from ppcompile.passes.check_padding_safety import PaddingSafetyError
 from ppcompile.planning import plan_buckets
@@ -40,6 +40,7 @@ __all__ = [
     "ReplayAddressError",
     "StaleOutputError",
     "TokenHistogram",
+    "TokenMarking",
     "WarmStage",
     "backend_with_options",
     "clear_warm_cache",
@@ -47,6 +48,7 @@ __all__ = [
     "eager_region",
     "fence_outputs",
     "layer_region_plans",
+    "mark_first_call",
     "mark_token_dynamic",
     "opaque_library_mixers",
     "opaque_module",

@@ -19,7 +19,7 @@ import torch
 
 from ppcompile.torch_internals import mark_dynamic
 
-__all__ = ["mark_token_dynamic", "tensors_in"]
+__all__ = ["TokenMarking", "mark_first_call", "mark_token_dynamic", "tensors_in"]
 
 log = logging.getLogger(__name__)
 
@@ -65,3 +65,38 @@ def mark_token_dynamic(*values: Any, dim: int = 0) -> int:
         mark_dynamic(t, dim)
         marked += 1
     return marked
+
+
+class TokenMarking(torch.nn.Module):
+    """A stage that marks the token dims of its first call's inputs dynamic, then runs ``stage``.
+
+    For drivers that make a stage's input tensors themselves, so that a user cannot mark them before the
+    first call: ``torch.distributed.pipelining`` chunks every step's batch into micro-batches. Unmarked,
+    Dynamo traces the first call at its concrete sizes (a static graph, served eagerly) and compiles a
+    symbolic one only when a later call brings another token count; a pipeline whose steps all hold the
+    same count would never reach the graph path. Marked: dim ``dim`` of every tensor of the first call
+    whose size there equals that of the first tensor (the token count; a table or a mask of another size
+    stays static), as :func:`mark_token_dynamic` marks them.
+    """
+
+    def __init__(self, stage: Any, dim: int = 0) -> None:
+        super().__init__()
+        self.stage, self.dim, self.marked = stage, dim, False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.marked:
+            self.marked = True
+            sized = [t for t in tensors_in((args, kwargs)) if t.dim() > self.dim]
+            if sized:
+                tokens = sized[0].shape[self.dim]
+                mark_token_dynamic([t for t in sized if t.shape[self.dim] == tokens], dim=self.dim)
+        return self.stage(*args, **kwargs)
+
+
+def mark_first_call(stage: Any, dim: int = 0) -> TokenMarking:
+    """``stage`` (a compiled module or function) wrapped so that its first call marks its token dims
+    (:class:`TokenMarking`); use it where the driver creates the inputs::
+
+        PipelineStage(ppcompile.mark_first_call(torch.compile(stage_module, backend="pp_breakable")), ...)
+    """
+    return TokenMarking(stage, dim)

@@ -133,3 +133,44 @@ def test_a_batch_first_input_is_named_when_marked_and_when_the_stage_never_graph
     with caplog.at_level("WARNING", logger="ppcompile"):
         ppcompile.mark_token_dynamic(torch.randn(1, 8), torch.randn(6, 1, 8))  # one token; T=6 with a 1
     assert "has size 1" not in caplog.text
+
+
+class _TableStage(torch.nn.Module):
+    """``x [T, 8]`` plus a row of ``table [R, 8]`` picked per token by ``index [T]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x) + table[index])
+
+
+def test_mark_first_call_graphs_a_driver_that_always_sends_one_count() -> None:
+    """A driver that makes its inputs and always sends 6 tokens: marked on the first call, the stage graphs
+    from that call on (unmarked, Dynamo traces 6 as a constant and the stage never graphs); the table,
+    whose dim 0 is no token count, stays static."""
+    torch.manual_seed(0)
+    stage = _TableStage()
+    wrapped = ppcompile.mark_first_call(torch.compile(stage, backend="pp_breakable", options=OPTIONS))
+    table = torch.randn(11, 8)
+    with torch.no_grad():
+        for step in range(3):
+            x, index = torch.randn(6, 8), torch.randint(0, 11, (6,))
+            with ppcompile.counters.expect(replays=1, replays_by_bucket={8: 1}):
+                torch.testing.assert_close(wrapped(x, index, table), stage(x, index, table), msg=str(step))
+        x, index = torch.randn(3, 8), torch.randint(0, 11, (3,))
+        with ppcompile.counters.expect(replays=1):
+            torch.testing.assert_close(wrapped(x, index, table), stage(x, index, table))
+    (runtime,) = ppcompile.stage_runtimes()
+    assert runtime.token_symbol is not None and not runtime.break_reasons, runtime.describe()
+    assert not _dynamic_dims(table)
+
+
+def test_unmarked_the_same_driver_never_graphs() -> None:
+    stage = _TableStage()
+    compiled = torch.compile(stage, backend="pp_breakable", options=OPTIONS)
+    table = torch.randn(11, 8)
+    with torch.no_grad(), ppcompile.counters.expect(replays=0):
+        for _ in range(3):
+            compiled(torch.randn(6, 8), torch.randint(0, 11, (6,)), table)
