@@ -31,9 +31,7 @@ from ppcompile.torch_internals import OpOverload, OpOverloadPacket
 __all__ = ["CONV_OPS", "SCAN_OPS", "Tail", "causal_conv_tail", "escaping_tails", "is_prefix_slice"]
 
 SCAN_OPS = frozenset(("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"))
-# By ``op_name``: ``conv1d`` (the function, the aten packet) and ``conv1d.default`` (the aten overload of
-# an exported graph), so that a causal conv's tail is followed there too. Rules are keyed by the plain name.
-CONV_OPS = frozenset(("conv1d", "conv1d.default"))
+CONV_OPS = frozenset(("conv1d",))  # by plain name: the function, the method and every aten overload
 
 
 def _int(value: Any) -> int | None:

@@ -340,7 +340,7 @@ RULES.update({name: _reduce(None, index=2) for name in ("norm", "linalg_vector_n
 RULES.update({name: _reduce(None, what="normalizes") for name in (
     "softmax", "log_softmax", "_softmax", "_log_softmax")})
 RULES.update({name: scan for name in SCAN_OPS})
-RULES.update({name: conv1d for name in CONV_OPS if "." not in name})
+RULES.update({name: conv1d for name in CONV_OPS})
 RULES.update({"topk": _dim_op(2, -1, "ranks"), "sort": _dim_op(1, -1, "ranks"),
               "argsort": _dim_op(1, -1, "ranks"), "kthvalue": _dim_op(2, -1, "ranks")})
 RULES.update({name: _dim_op(2, 0, "splits") for name in (

@@ -153,7 +153,7 @@ def check_padding_safety(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
         reason = _verdict(node, ctx, extra_safe, cap, decreases, lifted)
         if reason is not None:
             _flag(node, reason, ctx)
-        elif op_name(node) in CONV_OPS and isinstance(tail := causal_conv_tail(node), Tail):
+        elif op_name(node).split(".")[0] in CONV_OPS and isinstance(tail := causal_conv_tail(node), Tail):
             tails[node] = tail
 
     def stays_graphed(node: torch.fx.Node) -> bool:
