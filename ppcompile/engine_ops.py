@@ -72,7 +72,7 @@ _VLLM_TOKEN_LOCAL = """
     _C::rms_norm_static_fp8_quant _C::fused_add_rms_norm_static_fp8_quant
     _C::rms_norm_dynamic_per_token_quant
     _C::silu_and_mul _C::mul_and_silu _C::gelu_and_mul _C::gelu_tanh_and_mul _C::fatrelu_and_mul
-    _C::swigluoai_and_mul _C::gelu_new _C::gelu_fast _C::gelu_quick
+    _C::swigluoai_and_mul _C::gelu_new _C::gelu_fast _C::gelu_quick _C::gelu_tanh
     _C::rotary_embedding
     _C::static_scaled_fp8_quant _C::dynamic_per_token_scaled_fp8_quant
     _C::static_scaled_int8_quant _C::dynamic_scaled_int8_quant
@@ -87,13 +87,20 @@ _SGLANG_TOKEN_LOCAL = """
 ENGINE_OPS: dict[str, EngineOp] = {
     **_entries(OpRole.TOKEN_LOCAL, "vLLM", _VLLM_TOKEN_LOCAL),
     **_entries(OpRole.TOKEN_LOCAL, "SGLang", _SGLANG_TOKEN_LOCAL),
-    **_entries(OpRole.ATTENTION, "vLLM", "vllm::unified_attention vllm::unified_attention_with_output",
-               layer_arg="layer_name"),
-    **_entries(OpRole.STATE_WRITE, "vLLM", "vllm::unified_kv_cache_update", layer_arg="layer_name",
-               writes="the layer's KV cache"),
+    # vLLM 0.32's names (its own list of attention ops for piecewise graphs, and its KV-cache writers).
+    **_entries(OpRole.ATTENTION, "vLLM",
+               "vllm::unified_attention vllm::unified_attention_with_output "
+               "vllm::unified_mla_attention_with_output", layer_arg="layer_name"),
+    **_entries(OpRole.STATE_WRITE, "vLLM",
+               "vllm::unified_kv_cache_update vllm::unified_mla_kv_cache_update "
+               "vllm::fused_rope_and_unified_kv_cache_update vllm::fused_rope_unified_mla_kv_cache_update "
+               "vllm::fused_qk_norm_rope_and_unified_kv_cache_update "
+               "vllm::fused_qk_norm_mrope_and_unified_kv_cache_update",
+               layer_arg="layer_name", writes="the layer's KV cache"),
     **_entries(OpRole.STATE_WRITE, "vLLM",
                "vllm::mamba_mixer vllm::mamba_mixer2 vllm::short_conv vllm::linear_attention "
-               "vllm::gdn_attention_core vllm::plamo2_mamba_mixer",
+               "vllm::qwen_gdn_attention_core vllm::qwen_gdn_attention_core_fused_norm_packed "
+               "vllm::cpu_gdn_attention_core vllm::gdn_attention_core_xpu vllm::olmo_hybrid_gdn_full_forward",
                layer_arg="layer_name", writes="the layer's conv and SSM states"),
     **_entries(OpRole.ALL_REDUCE, "vLLM", "vllm::all_reduce"),
     **_entries(OpRole.ALL_REDUCE, "SGLang", "sglang::inplace_all_reduce sglang::outplace_all_reduce"),
