@@ -83,6 +83,14 @@ class TokenMarking(torch.nn.Module):
         super().__init__()
         self.stage, self.dim, self.marked = stage, dim, False
 
+    def __getattr__(self, name: str) -> Any:
+        """Other attributes are the stage's, as ``torch.compile``'s module passes them through to the
+        module it wraps (a traced pipelining stage reads its module's ``graph``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("stage"), name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.marked:
             self.marked = True

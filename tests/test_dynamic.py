@@ -174,3 +174,11 @@ def test_unmarked_the_same_driver_never_graphs() -> None:
     with torch.no_grad(), ppcompile.counters.expect(replays=0):
         for _ in range(3):
             compiled(torch.randn(6, 8), torch.randint(0, 11, (6,)), table)
+
+
+def test_a_marked_stage_passes_attributes_through() -> None:
+    module = torch.fx.symbolic_trace(_TableStage())
+    wrapped = ppcompile.mark_first_call(torch.compile(module, backend="pp_breakable", options=OPTIONS))
+    assert wrapped.graph is module.graph and wrapped.lin is module.lin
+    with pytest.raises(AttributeError):
+        _ = wrapped.no_such_attribute
