@@ -234,6 +234,9 @@ def graph_forward_source(
     names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, **(copies or COPY_FUNCTIONS)}
     live, bucket = _Sizes("n", "env_n", names), _Sizes("b", "env_b", names)
     body: list[str] = []
+    # Unwrapped copy functions (no profiler): one-dim copies are written inline, not called.
+    inline = all(names[k] is f for k, f in COPY_FUNCTIONS.items())
+    row_views: dict[int, tuple[int, str, str]] = {}  # slot -> (token dim, live size, bucket size)
 
     def dims_of(slot: int) -> tuple[tuple[int, SizeFn], ...]:
         return program.token_dims.get(slot, ())
@@ -247,7 +250,12 @@ def graph_forward_source(
         elif len(dims) == 1:
             (d, size), = dims
             n, b = live(size), bucket(size)
-            body.append(f"{kind}_rows({buf}, {src}, {d}, {n}, {b})")
+            if inline:  # static_buffers.copy_rows on views made once per call (see VIEW_CACHE)
+                if slot not in row_views:
+                    row_views[slot] = (d, n, b)
+                body.extend([f"dst{slot}.copy_({src})", f"if {b} > {n}:", f"    pad{slot}.zero_()"])
+            else:
+                body.append(f"{kind}_rows({buf}, {src}, {d}, {n}, {b})")
         else:
             names[f"dims_{slot}"] = dims
             body.append(f"{kind}_in({buf}, {src}, dims_{slot}, env_n, env_b)")
@@ -261,7 +269,7 @@ def graph_forward_source(
             (d, size), = dims
             n = live(size)
             body.extend([f"t = static[{slot}]",
-                         f"v{slot} = t if t.shape[{d}] == {n} else t.narrow({d}, 0, {n})"])
+                         f"v{slot} = t if t.shape[{d}] == {n} else t[{_leading(d, f':{n}')}]"])
         else:
             names[f"dims_{slot}"] = dims
             body.append(f"v{slot} = narrow_to(static[{slot}], dims_{slot}, env_n)")
@@ -306,6 +314,7 @@ def graph_forward_source(
             body.append(_call_segment(step, args, names))
             if step.copies is not None:
                 fill_point(step.copies)
+    body[:0] = _row_views(row_views)
     body += [f"args[{s}].copy_(v{s})" for s in program.written_inputs]  # the caller's tensor, as eager
     ring = program.output_ring
     if ring is not None:
@@ -314,11 +323,44 @@ def graph_forward_source(
             names[f"ring_layout_{j}"] = ring.layouts[j]
             body.append(f"v{s} = copy_out(ring_buffers[{j}], v{s}, ring_layout_{j}, env_n)")
     outputs = _outputs(program, live, names)
-    header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers, ring):"
+    header = "def graph_forward(args, static, env_n, env_b, replay, n, b, copiers, ring, views=None):"
     source = _function(header,
                        program.num_inputs, live.prologue() + bucket.prologue(), body, "raised(e, step, n, b)",
                        outputs)
     return source, names
+
+
+VIEW_CACHE = 64
+"""Per bucket table, how many sets of copy views (one per distinct set of sizes) a graph path keeps."""
+
+
+def _row_views(row_views: Mapping[int, tuple[int, str, str]]) -> list[str]:
+    """Lines binding ``dst<slot>`` (the live rows) and ``pad<slot>`` (the padding rows up to the bucket)
+    of each static buffer filled along one token dim, made once per call, or taken from ``views`` (the
+    bucket table's cache, keyed by the sizes: the table's buffers never change) when these sizes came
+    before: only ``copy_`` and ``zero_`` are left per copy. The views are internal: only these copies
+    write through them, and nothing outside the call sees them."""
+    if not row_views:
+        return []
+    sizes = sorted({x for _, n, b in row_views.values() for x in (n, b)})
+    targets = ", ".join(f"dst{s}, pad{s}" for s in row_views)
+    made = ", ".join(f"static[{s}][{_leading(d, f':{n}')}], static[{s}][{_leading(d, f'{n}:{b}')}]"
+                     for s, (d, n, b) in row_views.items())
+    return [f"key = ({', '.join(sizes)},)",
+            "D = None if views is None else views.get(key)",
+            "if D is None:",
+            f"    D = ({made},)",
+            "    if views is not None:",
+            f"        if len(views) >= {VIEW_CACHE}:",
+            "            views.clear()",
+            "        views[key] = D",
+            f"{targets}, = D"]
+
+
+def _leading(dim: int, rows: str) -> str:
+    """The index selecting ``rows`` (a slice's text) along ``dim``, every other dim whole: basic slicing
+    makes the view ``narrow`` makes, at about half its host cost."""
+    return ", ".join([":"] * dim + [rows])
 
 
 def _annotate_graph_path(stage: str, segments: Sequence[str], e: BaseException, step: int, n: int,

@@ -72,7 +72,7 @@ class RingSlots:
 class GraphPath:
     """One instance's graph path: ``path(args, env_n, env_b, n, b)`` serves a call at bucket ``b``."""
 
-    __slots__ = ("code", "copiers", "fresh_table", "pass_args", "replay", "ring", "tables")
+    __slots__ = ("_views", "code", "copiers", "fresh_table", "pass_args", "replay", "ring", "tables")
 
     def __init__(self, code: GraphForward, tables: Mapping[int, list[Any]], replay: Callable[..., Any],
                  copiers: Sequence[Copier | None] | None, fresh_table: bool, pass_args: bool = False,
@@ -84,6 +84,8 @@ class GraphPath:
         self.fresh_table = fresh_table  # a non-binding executor writes each call's outputs into a copy
         self.pass_args = pass_args  # replays are handed their arguments
         self.ring = ring
+        # Per bucket: its table and the copy views made for it, by sizes (codegen._row_views).
+        self._views: dict[int, tuple[list[Any], dict[tuple[int, ...], tuple[torch.Tensor, ...]]]] = {}
 
     def describe(self) -> str:
         """Which variant of the generated code this is, as ``generated_code()`` names it."""
@@ -93,10 +95,13 @@ class GraphPath:
     def __call__(self, args: Sequence[Any], env_n: Mapping[sympy.Symbol, int],
                  env_b: Mapping[sympy.Symbol, int], n: int, b: int) -> tuple[Any, ...]:
         static = self.tables[b]
-        if self.fresh_table:
-            static = list(static)
         ring = None if self.ring is None else self.ring.take()
-        return self.code(args, static, env_n, env_b, self.replay, n, b, self.copiers, ring)
+        if self.fresh_table:
+            return self.code(args, list(static), env_n, env_b, self.replay, n, b, self.copiers, ring)
+        cached = self._views.get(b)
+        if cached is None or cached[0] is not static:  # a bucket captured again has a new table
+            cached = self._views[b] = (static, {})
+        return self.code(args, static, env_n, env_b, self.replay, n, b, self.copiers, ring, cached[1])
 
 
 def bind_graph_path(program: Program, stage: str, tables: Mapping[int, list[Any]], replay: Callable[..., Any],

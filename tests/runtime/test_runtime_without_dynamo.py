@@ -33,7 +33,7 @@ def test_a_hand_made_stage_serves_graphs_and_falls_back_above_the_cap(mode: str)
     assert [tuple(b.shape) for b in instance.input_buffers.values()] == [(CAP, H)]
     assert list(instance.bridge_buffers) == [3]
     (code,) = [code for what, code in runtime.generated_code().items() if what.startswith("graph")]
-    assert "copy_rows(static[0], v0" in code and "bridge_rows(static[3], v3" in code
+    assert "dst0.copy_(v0)" in code and "dst3.copy_(v3)" in code  # copy-in, and the bridge after the break
 
 
 def test_a_plan_without_the_bridge_copy_point_gives_wrong_answers_under_emulation() -> None:
