@@ -6,7 +6,8 @@ so each node is written as its op, name, target (an operator by its name under `
 arguments (other nodes by name) and type, and its metadata as plain data: a fake tensor as its sizes,
 strides and offset (integers or sympy expressions of the trace's symbols), dtype, device and whether it
 is an inference tensor (Inductor's and AOTAutograd's cache keys read all of these, and the node types);
-an input's source as its name. Reading it back rebuilds fake values in a fresh shape env with the traced
+a fake opaque object of a value type (an engine's layer name lifted to an input) as the value it stood
+for; an input's source as its name. Reading it back rebuilds fake values in a fresh shape env with the traced
 symbols, their hints and the trace's shape guards, so the passes see what they saw in the first process.
 """
 
@@ -22,16 +23,19 @@ import torch
 from ppcompile.torch_internals import current_shape_env
 from ppcompile.torch_internals.frames import outside_the_call
 from ppcompile.torch_internals.precompile import (
+    fake_opaque,
     fake_tensor,
     new_fake_mode,
+    opaque_value,
     operator_name,
     operator_named,
     shape_env_state,
     symbolic_value,
+    traced_sources,
 )
 
 __all__ = ["GraphCodecError", "InputSource", "dumps_stage_graph", "graph_from_records", "graph_records",
-           "loads_stage_graph"]
+           "loads_stage_graph", "restore_input_sources"]
 
 _KEPT = ("nn_module_stack", "stack_trace", "custom")  # plain data, as Dynamo wrote them
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -64,6 +68,20 @@ class _Sym:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Shape:
+    """A ``torch.Size`` (a ``.shape`` node's value), whose items may be symbolic."""
+
+    items: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opaque:
+    """A fake opaque object of a value type, as the real value it stood for when traced."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class _Tensor:
     size: tuple[Any, ...]
     stride: tuple[Any, ...]
@@ -86,10 +104,15 @@ def _encode(value: Any) -> Any:
                        isinstance(value, torch.nn.Parameter), value.requires_grad, value.is_inference())
     if isinstance(value, _SYMBOLIC):
         return _size(value)
+    if isinstance(value, torch.Size):
+        return _Shape(tuple(_size(s) for s in value))
     if isinstance(value, (tuple, list)):
         return type(value)(_encode(v) for v in value)
     if isinstance(value, _PLAIN):
         return value
+    opaque = opaque_value(value)
+    if opaque is not None:
+        return _Opaque(opaque)
     raise GraphCodecError(f"a node's traced value is a {type(value).__name__}, which the codec cannot write")
 
 
@@ -110,6 +133,10 @@ class _Decoder:
                 size, stride = [self(s) for s in value.size], [self(s) for s in value.stride]
                 t = fake_tensor(self.fake_mode, size, stride, self(value.offset), value.dtype, value.device)
                 return torch.nn.Parameter(t, value.requires_grad) if value.parameter else t
+        if isinstance(value, _Shape):
+            return torch.Size(self(s) for s in value.items)
+        if isinstance(value, _Opaque):
+            return fake_opaque(self.fake_mode, value.value)
         if isinstance(value, (tuple, list)):
             return type(value)(self(v) for v in value)
         return value
@@ -119,6 +146,24 @@ def _input_source(grapharg: Any) -> InputSource:
     source = getattr(grapharg, "source", None)
     return InputSource(None if source is None else _Source(str(source.name), outside_the_call(source)),
                        bool(getattr(grapharg, "pass_arg_as_tensor", False)))
+
+
+def restore_input_sources(gm: torch.fx.GraphModule) -> int:
+    """Puts back the input sources of a graph Dynamo's ahead-of-time compile hands the backend: its trace
+    dropped each input's ``meta["grapharg"]`` before the call, and without a source the passes would take
+    a buffer or an engine's kernel handle held outside the call for a live input (copied into a static
+    buffer at every call). Each input whose traced value the trace recorded gets an :class:`InputSource`
+    as :func:`dumps_stage_graph` writes it (a tensor, not a scalar passed as one); one with a grapharg, or
+    not recorded, is left as it is. How many were put back (0 outside a trace)."""
+    shape_env = current_shape_env()
+    sources = traced_sources(shape_env) if shape_env is not None else {}
+    restored = 0
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = sources.get(id(node.meta.get("example_value")))
+        if "grapharg" not in node.meta and source is not None:
+            node.meta["grapharg"] = InputSource(_Source(str(source.name), outside_the_call(source)), False)
+            restored += 1
+    return restored
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The ``pp_breakable`` Dynamo backend: passes, segment compilation, and the stage runtime.
 
 Found by ``torch.compile(backend="pp_breakable")`` through the ``torch_dynamo_backends`` entry point,
-and registered on ``import ppcompile`` as well.
+and registered on ``import ppcompile`` as well. Called by Dynamo's ahead-of-time compile
+(``torch.compile(...).aot_compile``: ``warm_compile``, and vLLM by default), it returns the stage runtime
+in a :class:`StageGraph`, which torch can serialize (``stored_graph.py``).
 """
 
 from __future__ import annotations
@@ -28,17 +30,23 @@ from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.observer import CaptureStart
 from ppcompile.runtime.sibling_graphs import StaticCalls, input_changes, plan_static_calls
 from ppcompile.runtime.stage_runtime import RECOMPILE_LIMIT, StageRuntime
+from ppcompile.torch_internals.precompile import aot_compiling
 
 from . import frame_recovery
+from .graph_codec import GraphCodecError, dumps_stage_graph, restore_input_sources
 from .segment_compilers import (
     compile_segments,
     compile_times,
     dynamo_trace_seconds,
     segments_skip_size_asserts,
 )
+from .stored_graph import StoredStageGraph
+from .stored_kernels import storing_kernels
+from .warm_cache import compile_fingerprint
 
 __all__ = [
-    "collector_paused", "compile_stage", "pp_breakable", "runtimes_of", "serve_stage", "stage_runtimes",
+    "StageGraph", "collector_paused", "compile_stage", "pp_breakable", "runtimes_of", "serve_stage",
+    "stage_runtimes", "stored_stage_graph",
 ]
 
 log = logging.getLogger(__name__)
@@ -258,7 +266,15 @@ def pp_breakable(
 ) -> Callable[..., Any]:
     """Compiles one Dynamo graph of a PP stage into a ``StageRuntime`` (a graph of a function that a stage
     frame calls while Dynamo runs that frame uncompiled after a failed recompile runs as traced:
-    ``frame_recovery.py``)."""
+    ``frame_recovery.py``); under Dynamo's ahead-of-time compile, into a :class:`StageGraph` holding
+    the runtime (:func:`stored_stage_graph`)."""
+    if aot_compiling():
+        return stored_stage_graph(gm, example_inputs, options)
+    return _stage_runtime(gm, example_inputs, options)
+
+
+def _stage_runtime(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                   options: Mapping[str, Any] | None) -> Callable[..., Any]:
     compile_id = torch_internals.compile_id()
     frame = torch_internals.frame_id(compile_id)
     frame_recovery.note_backend_call(frame, torch_internals.frame_compile_index(compile_id))
@@ -269,3 +285,36 @@ def pp_breakable(
     runtime = serve_stage(stage, config, [*example_inputs, *stage.bound_inputs])
     frame_recovery.note_stage_frame(frame, runtime.name)
     return runtime
+
+
+class StageGraph(StoredStageGraph):
+    """A stage runtime torch can serialize (``stored_graph.py``); read back, compiled and served by this
+    backend."""
+
+    def _compile(self, gm: torch.fx.GraphModule, args: list[Any], config: PPBreakableConfig) -> CompiledStage:
+        return compile_stage(gm, args, config)
+
+    def _serve(self, stage: CompiledStage, config: PPBreakableConfig, args: list[Any]) -> StageRuntime:
+        return serve_stage(stage, config, args)
+
+
+def stored_stage_graph(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                       options: Mapping[str, Any] | None) -> Callable[..., Any]:
+    """The backend's result as Dynamo's ahead-of-time compile needs it: the stage runtime in a
+    :class:`StageGraph` with Dynamo's graph as it came (its inputs' sources put back, then written before
+    the passes, which rewrite it), its Inductor segments keeping what a restart loads them from. A
+    function of a stage frame running uncompiled (``frame_recovery.py``) is returned as it is: it is not
+    stored."""
+    restore_input_sources(gm)
+    try:
+        graph, why = dumps_stage_graph(gm), None
+    except GraphCodecError as e:
+        graph, why = None, str(e)
+    except Exception as e:  # a codec bug: the stage still compiles and serves, it is not stored
+        log.warning("pp_breakable: the stage graph cannot be stored (%s: %s)", type(e).__name__, e)
+        graph, why = None, f"{type(e).__name__}: {e}"
+    with storing_kernels():
+        runtime = _stage_runtime(gm, example_inputs, options)
+    if not isinstance(runtime, StageRuntime):
+        return runtime
+    return StageGraph(graph, options, runtime, why, fingerprint=compile_fingerprint(runtime.config))

@@ -39,6 +39,7 @@ __all__ = [
     "FORMAT",
     "artifact_path",
     "clear_warm_cache",
+    "compile_fingerprint",
     "module_digests",
     "read_entries",
     "stage_key",
@@ -93,6 +94,17 @@ def stage_key(stage: torch.nn.Module, options: Mapping[str, Any] | None, name: s
     }
     text = json.dumps(parts, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def compile_fingerprint(config: PPBreakableConfig) -> str:
+    """What a stage's compile with ``config`` depends on that no guard sees and an engine's cache key need
+    not hold: the torch, Python and ppcompile versions, ppcompile's own source, and the options but
+    ``dump_dir`` (where debug files go). A stored stage graph loads only where this is the same
+    (``stored_graph``)."""
+    options = {k: v for k, v in config.as_dict().items() if k != "dump_dir"}
+    parts = {"format": FORMAT, "torch": torch.__version__, "python": sys.version,
+             "machine": platform.machine(), "ppcompile": _package_digest(), "options": options}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()[:32]
 
 
 def _module_digest(module: str) -> str | None:

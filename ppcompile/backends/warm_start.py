@@ -2,38 +2,32 @@
 
 ``torch.compile(stage, backend="pp_breakable")`` traces the stage with Dynamo in every process, and the
 trace grows with the layer count. ``warm_compile`` traces it ahead of time instead (Dynamo's
-``aot_compile``, whole graph) and stores the result: Dynamo's bytecode and guards, the stage graph as
-Dynamo handed it to the backend (``graph_codec``), and the lowered stage when it can be stored
-(``stored_stage``; Inductor kernels through ``stored_kernels``). A later process with the same key
-(``warm_cache``) loads it, checks its guards, and on the first call serves the lowered stage, or runs
-ppcompile's passes and segment compiles on the stored graph; either way Dynamo does not trace, and
-capture runs as usual. A call whose guards fail compiles and stores one more artifact, as Dynamo would
-recompile. A stage that cannot be traced whole, or whose graph cannot be stored, is served as
-``torch.compile`` serves it, with one log line saying why.
+``aot_compile``, whole graph) and stores the result: Dynamo's bytecode and guards, and the backend's
+result (``stored_graph``): the stage graph as Dynamo handed it to the backend (``graph_codec``), and
+the lowered stage when it can be stored (``stored_stage``; Inductor kernels through
+``stored_kernels``). A later process with the same key (``warm_cache``) loads it, checks its guards,
+and on the first call serves the lowered stage, or runs ppcompile's passes and segment compiles on the
+stored graph; either way Dynamo does not trace, and capture runs as usual. A call whose guards fail
+compiles and stores one more artifact, as Dynamo would recompile. A stage that cannot be traced whole
+is served as ``torch.compile`` serves it, and one whose compile cannot be stored is compiled again by
+each process, with one log line saying why.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import logging
-import pickle
-import time
-import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ppcompile.config import PPBreakableConfig, is_process_group
+from ppcompile.config import is_process_group
 from ppcompile.dynamic import tensors_in
 from ppcompile.layer_stamps import is_stamped
 from ppcompile.runtime.stage_runtime import StageRuntime
-from ppcompile.torch_internals import tracing_context
 from ppcompile.torch_internals.precompile import (
-    SerializableCallable,
     aot_compile,
     aot_guard_check,
     aot_traced_modules,
@@ -41,107 +35,22 @@ from ppcompile.torch_internals.precompile import (
     loads_aot,
 )
 
-from .graph_codec import GraphCodecError, dumps_stage_graph, loads_stage_graph
-from .pp_breakable import compile_stage, pp_breakable, serve_stage
-from .stored_kernels import storing_kernels
-from .stored_stage import StoredStageError, dumps_compiled_stage, loads_compiled_stage
+from .pp_breakable import stored_stage_graph
+from .stored_graph import StoredGraphError, StoredStageGraph, loading
 from .warm_cache import artifact_path, module_digests, read_entries, stage_key, write_entries
 
 __all__ = ["MAX_ENTRIES", "StoredGraphError", "StoredStageGraph", "WarmStage", "warm_compile"]
 
 log = logging.getLogger(__name__)
 
-_FORMAT = "ppcompile-stored-stage-2"
 MAX_ENTRIES = 8  # artifacts per stage (guard sets, as Dynamo's recompiles); beyond, torch.compile serves
-# While artifacts are read: the options their graphs compile with, and the list each read graph joins.
-_LOADING: contextvars.ContextVar[tuple[Mapping[str, Any], list[StoredStageGraph]] | None] = \
-    contextvars.ContextVar("ppcompile_warm_loading", default=None)
-
-
-class StoredGraphError(RuntimeError):
-    """A stored stage graph did not compile again (the artifact is then dropped, and the stage traced)."""
-
-
-class StoredStageGraph(SerializableCallable):
-    """The backend's result under ``aot_compile``: a stage runtime that serializes as the lowered stage
-    (``stored_stage``) when it can be stored, and always as the Dynamo graph it was compiled from. Read
-    back, it serves the lowered stage on its first call, or compiles the graph then (the call's inputs
-    are what Dynamo would have passed the backend)."""
-
-    def __init__(self, graph: bytes | None, options: Mapping[str, Any] | None,
-                 runtime: StageRuntime | None, why_not_stored: str | None = None,
-                 lowered: bytes | None = None) -> None:
-        self.graph, self.options, self.runtime, self.why_not_stored = graph, options, runtime, why_not_stored
-        self.lowered = lowered
-        self.load_seconds: float | None = None
-
-    @classmethod
-    def serialize_compile_artifacts(cls, fn: StoredStageGraph) -> bytes:
-        if fn.graph is None:
-            raise GraphCodecError(fn.why_not_stored or "the stage graph was not kept")
-        lowered = None
-        if fn.runtime is not None:
-            try:
-                lowered = dumps_compiled_stage(fn.runtime.compiled)
-            except StoredStageError as e:
-                log.info("warm restart: the lowered stage %s is not stored (%s); a restart runs the passes "
-                         "on its stored graph", fn.runtime.name, e)
-        return pickle.dumps((_FORMAT, fn.graph, lowered), protocol=pickle.HIGHEST_PROTOCOL)
-
-    @classmethod
-    def deserialize_compile_artifacts(cls, data: bytes) -> StoredStageGraph:
-        loading = _LOADING.get()
-        if loading is None:
-            raise RuntimeError("a ppcompile stage graph is read back by ppcompile.warm_compile only")
-        fmt, graph_data, lowered = pickle.loads(data)
-        if fmt != _FORMAT:
-            raise GraphCodecError(f"not a stored stage graph of this ppcompile ({fmt!r})")
-        options, graphs = loading
-        graph = cls(graph_data, options, None, lowered=lowered)
-        graphs.append(graph)
-        return graph
-
-    def __call__(self, *args: Any) -> Any:
-        if self.runtime is None:
-            self.runtime = self._restore(list(args))
-        return self.runtime(*args)
-
-    def _restore(self, args: list[Any]) -> StageRuntime:
-        config = PPBreakableConfig.from_options(self.options)
-        start = time.perf_counter()
-        if self.lowered is not None:
-            try:
-                stage = loads_compiled_stage(self.lowered)
-            except Exception as e:  # StoredStageError, or anything else: a miss, never an error
-                log.warning("warm restart: a stored lowered stage does not load (%s: %s); its stored graph "
-                            "is compiled again", type(e).__name__, e)
-            else:
-                self.load_seconds = seconds = time.perf_counter() - start
-                restored = dataclasses.replace(stage, record=dataclasses.replace(
-                    stage.record, compile_times=types.MappingProxyType({"read_back": seconds})))
-                return serve_stage(restored, config, args)
-        assert self.graph is not None
-        try:
-            gm, fake_mode = loads_stage_graph(self.graph)
-            self.load_seconds = time.perf_counter() - start
-            with tracing_context(fake_mode):
-                return serve_stage(compile_stage(gm, args, config), config, args)
-        except Exception as e:
-            raise StoredGraphError(f"{type(e).__name__}: {e}") from e
 
 
 def _backend(options: Mapping[str, Any], graphs: list[StoredStageGraph]) -> Any:
     def compile_stage(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        try:
-            graph, why = dumps_stage_graph(gm), None  # before the passes, which rewrite gm
-        except GraphCodecError as e:
-            graph, why = None, str(e)
-        with storing_kernels():  # Inductor segments keep what a restart loads them from
-            runtime = pp_breakable(gm, example_inputs, options)
-        if not isinstance(runtime, StageRuntime):
-            return runtime  # a function of a stage frame running uncompiled (frame_recovery.py): not stored
-        stored = StoredStageGraph(graph, options, runtime, why)
-        graphs.append(stored)
+        stored = stored_stage_graph(gm, example_inputs, options)
+        if isinstance(stored, StoredStageGraph):
+            graphs.append(stored)
         return stored
 
     return compile_stage
@@ -149,15 +58,6 @@ def _backend(options: Mapping[str, Any], graphs: list[StoredStageGraph]) -> Any:
 
 def _call_stage(stage: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return stage(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _loading(options: Mapping[str, Any], graphs: list[StoredStageGraph]) -> Iterator[None]:
-    token = _LOADING.set((options, graphs))
-    try:
-        yield
-    finally:
-        _LOADING.reset(token)
 
 
 @dataclasses.dataclass
@@ -219,7 +119,7 @@ class WarmStage:
     def _read_back(self, artifact: _Artifact) -> Any:
         assert self._artifacts is not None and artifact.data is not None
         try:
-            with _loading(self.options, self._graphs):
+            with loading(self.options, self._graphs):
                 artifact.compiled = loads_aot(artifact.data)
         except Exception as e:
             self._drop(artifact, "does not load", e)
@@ -267,7 +167,7 @@ class WarmStage:
         reads from a module by the object, which no other process can rebuild: checked where a stage
         holds one (a load costs as much as a restart's), rather than on every store."""
         try:
-            with _loading(self.options, []):
+            with loading(self.options, []):
                 loads_aot(data)
         except Exception as e:
             log.warning("warm restart: %s is not stored: its Dynamo guards on the process group %s holds "

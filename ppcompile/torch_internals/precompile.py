@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sympy
 import torch
 
-from ppcompile.torch_internals import shape_env_guards, shape_env_hints
-from ppcompile.torch_internals.lookup import attr, lookup
+from ppcompile.torch_internals import compile_id, shape_env_guards, shape_env_hints
+from ppcompile.torch_internals.lookup import attr, lookup, missing
 
 __all__ = [
-    "SerializableCallable", "aot_compile", "aot_guard_check", "aot_traced_modules", "compile_recording",
-    "dumps_aot", "fake_tensor", "load_recorded", "loads_aot", "new_fake_mode", "operator_name",
-    "operator_named", "shape_env_of_fake_mode", "shape_env_state", "symbolic_value",
+    "SerializableCallable", "aot_compile", "aot_compiling", "aot_guard_check", "aot_traced_modules",
+    "compile_recording", "dumps_aot", "fake_opaque", "fake_tensor", "load_recorded", "loads_aot",
+    "new_fake_mode", "opaque_value", "operator_name", "operator_named", "shape_env_of_fake_mode",
+    "shape_env_state", "symbolic_value", "traced_sources",
 ]
 
 _WHY = "for warm restarts"
@@ -64,6 +67,44 @@ def aot_compile(fn: Callable[..., Any], backend: Callable[..., Any], args: Seque
         compiled = torch.compile(fn, fullgraph=True, backend=with_callers_settings)
         run = attr(compiled, "aot_compile", "torch.compile(...)", _WHY)
         return run((tuple(args), dict(kwargs)))
+
+
+def aot_compiling() -> bool:
+    """Whether Dynamo's ahead-of-time compile (``torch.compile(...).aot_compile``, which vLLM compiles
+    through by default) is calling the backend now: its result must then be a
+    :data:`SerializableCallable`. Dynamo passes the backend nothing that says so. Its config switch
+    ``enable_aot_compile`` only makes the API available (on by default in torch 2.13; vLLM sets it
+    around ``torch.compile``, not around the compile), and the AOTAutograd settings ``aot_compile``
+    forces around the backend a caller may set too (and :func:`aot_compile` takes them back). So:
+    outside a compile of a running frame (Dynamo always holds a compile id there, never in an
+    ahead-of-time compile's backend call), a frame of ``aot_compile_fullgraph`` (where torch 2.11 to
+    2.13 call the backend) is on the stack."""
+    if compile_id() is not None:
+        return False
+    module = sys.modules.get("torch._dynamo.aot_compile")
+    if module is None:  # never imported: no ahead-of-time compile has run
+        return False
+    code = inspect.unwrap(attr(module, "aot_compile_fullgraph", "torch._dynamo.aot_compile", _WHY)).__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def traced_sources(shape_env: Any) -> dict[int, Any]:
+    """Where Dynamo's trace over ``shape_env`` read each value it made fake, by the id of the fake value
+    (a fake tensor, a SymInt): its Dynamo source (the first, for a value read by several). Dynamo's
+    ahead-of-time compile calls the backend after its trace dropped each graph input's
+    ``meta["grapharg"]``; the shape env's tracked fakes (kept for the guards built after the backend)
+    still say where the inputs came from."""
+    tracked = attr(shape_env, "tracked_fakes", "ShapeEnv", _WHY) or ()
+    sources: dict[int, Any] = {}
+    for fake in tracked:
+        value, source = (attr(fake, name, "TrackedFake", _WHY) for name in ("fake", "source"))
+        sources.setdefault(id(value), source)
+    return sources
 
 
 def compile_recording(compile: Callable[[], _T]) -> tuple[_T, tuple[bytes, str] | None]:
@@ -208,6 +249,24 @@ def fake_tensor(fake_mode: Any, size: Sequence[Any], stride: Sequence[Any], offs
         meta = meta.as_strided(size, stride, offset)
     fake_class = lookup("torch._subclasses.fake_tensor", "FakeTensor", _WHY)
     return fake_class(fake_mode, meta, torch.device(device))
+
+
+def opaque_value(value: Any) -> Any:
+    """The real value a fake opaque object of a value type stands for (an engine's layer name that
+    Dynamo lifts to a graph input: vLLM's ``LayerName``), or None for any other value."""
+    if not isinstance(value, lookup("torch._library.fake_class_registry", "FakeScriptObject", _WHY)):
+        return None
+    try:
+        real = object.__getattribute__(value, "real_obj")  # its own __getattribute__ refuses lookups
+    except AttributeError as e:
+        raise missing("FakeScriptObject.real_obj", _WHY) from e
+    is_value_type = lookup("torch._library.opaque_object", "is_opaque_value_type", _WHY)
+    return real if real is not None and is_value_type(type(real)) else None
+
+
+def fake_opaque(fake_mode: Any, value: Any) -> Any:
+    """The fake opaque object standing for ``value`` (an :func:`opaque_value`) in ``fake_mode``."""
+    return lookup("torch._library.fake_class_registry", "maybe_to_fake_obj", _WHY)(fake_mode, value)
 
 
 def symbolic_value(fake_mode: Any, expr: sympy.Basic, kind: type) -> Any:

@@ -84,3 +84,23 @@ def test_writing_needs_the_trace_and_plain_values() -> None:
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(GraphCodecError, match="no Dynamo trace"):
         dumps_stage_graph(gm)
+
+
+def test_a_symbolic_size_value_is_written_and_read_back() -> None:
+    """A node whose value is a ``torch.Size`` of symbolic sizes (a shape passed to an op, as vLLM's CPU
+    linear passes its output's) is written as one and read back as one."""
+    seen: list[Any] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        seen.append((gm, dumps_stage_graph(gm)))
+        return gm
+
+    x = torch.randn(5, 3)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(lambda x: torch.ops.aten.new_zeros.default(x, x.size()), backend=backend)(x)
+    ((gm, data),) = seen
+    loaded, _ = loads_stage_graph(data)
+    sizes = [(a.meta["example_value"], b.meta["example_value"])
+             for a, b in zip(gm.graph.nodes, loaded.graph.nodes, strict=True)
+             if isinstance(a.meta.get("example_value"), torch.Size)]
+    assert sizes and all(type(b) is torch.Size and str(b) == str(a) for a, b in sizes)

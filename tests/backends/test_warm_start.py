@@ -168,16 +168,17 @@ def _broken(data: bytes) -> Any:
     raise RuntimeError("made by another torch")
 
 
-@pytest.mark.parametrize("fails", [("loads_aot",), ("loads_compiled_stage", "loads_stage_graph")])
+@pytest.mark.parametrize("fails", [("warm_start.loads_aot",),
+                                   ("stored_graph.loads_compiled_stage", "stored_graph.loads_stage_graph")])
 def test_an_artifact_that_does_not_load_or_compile_again_is_dropped(
         fails: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     stage = make_stage(CFG, 1, 2)
     _call(ppcompile.warm_compile(stage, OPTIONS), stage, 5)
     _restart()
     for name in fails:
-        monkeypatch.setattr(f"ppcompile.backends.warm_start.{name}", _broken)
+        monkeypatch.setattr(f"ppcompile.backends.{name}", _broken)
     warm = ppcompile.warm_compile(stage, OPTIONS)
-    with caplog.at_level(logging.WARNING, logger="ppcompile.backends.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="ppcompile.backends"):
         _check(warm, stage, 5)
     assert warm.compiled == 1 and "made by another torch" in caplog.text
 
@@ -187,10 +188,10 @@ def test_a_lowered_stage_that_does_not_load_is_compiled_again_from_its_graph(
     stage = make_stage(CFG, 1, 2)
     _call(ppcompile.warm_compile(stage, OPTIONS), stage, 5)
     _restart()
-    monkeypatch.setattr("ppcompile.backends.warm_start.loads_compiled_stage", _broken)
+    monkeypatch.setattr("ppcompile.backends.stored_graph.loads_compiled_stage", _broken)
     traces = ppcompile.counters.backend_compiles
     warm = ppcompile.warm_compile(stage, OPTIONS)
-    with caplog.at_level(logging.WARNING, logger="ppcompile.backends.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="ppcompile.backends.stored_graph"):
         for n in (5, 4, 9):
             _check(warm, stage, n)
     assert (warm.loaded, warm.compiled) == (1, 0)  # no Dynamo trace: the stored graph went through the passes
@@ -203,7 +204,7 @@ def test_a_stage_whose_lowered_form_cannot_be_stored_restarts_from_its_graph(
     def refuse(stage: Any) -> bytes:
         raise StoredStageError("segment submod_0 runs an Inductor kernel")
 
-    monkeypatch.setattr("ppcompile.backends.warm_start.dumps_compiled_stage", refuse)
+    monkeypatch.setattr("ppcompile.backends.stored_graph.dumps_compiled_stage", refuse)
     stage = make_stage(CFG, 1, 2)
     _call(ppcompile.warm_compile(stage, OPTIONS), stage, 5)
     _restart()
