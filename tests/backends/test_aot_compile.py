@@ -263,7 +263,7 @@ class _Tag(OpaqueBase):
 register_opaque_type(_Tag, typ="value", hoist=True)
 
 
-@torch.library.custom_op("ppcompile_test::tagged", mutates_args=())
+@torch.library.custom_op("ppcompile_test::tagged_by_opaque_value", mutates_args=())
 def _tagged(x: torch.Tensor, tag: _Tag) -> torch.Tensor:
     return x * len(tag.value)
 
