@@ -342,14 +342,8 @@ def _checked_ops(key: str, ops: Any) -> tuple[Any, ...]:
         if isinstance(op, str) and (op.count("::") != 1 or not all(op.split("::"))):
             _bad(key, op, 'strings of the form "namespace::op"')
         if key == "token_local_ops":
-            refuse_token_local(_qualified_name(op))
+            refuse_token_local(op)
     return tuple(ops)
-
-
-def _qualified_name(op: Any) -> str:
-    """``"ns::name"`` of an op given as a string, a packet or an overload."""
-    packet = getattr(op, "overloadpacket", op)
-    return op if isinstance(op, str) else str(getattr(packet, "_qualified_op_name", ""))
 
 
 def _op_key(op: Any) -> str:

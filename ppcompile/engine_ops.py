@@ -135,9 +135,12 @@ def layer_from_name(value: Any) -> int | None:
     return int(found[0]) if len(found) == 1 else None
 
 
-def refuse_token_local(qualified_name: str) -> None:
-    """Raises ``ValueError`` if a known op that writes state through a context is declared token-local:
-    declared so, it would run inside graph segments on padded rows and write padding into the state."""
+def refuse_token_local(op: Any) -> None:
+    """Raises ``ValueError`` if ``op`` (``"ns::name"``, a packet or an overload) is a known op that writes
+    state through a context, declared token-local: declared so, it would run inside graph segments on
+    padded rows and write padding into the state."""
+    packet = getattr(op, "overloadpacket", op)
+    qualified_name = op if isinstance(op, str) else str(getattr(packet, "_qualified_op_name", ""))
     entry = ENGINE_OPS.get(qualified_name)
     if entry is not None and entry.role is OpRole.STATE_WRITE:
         raise ValueError(

@@ -45,8 +45,7 @@ def register_token_local_op(op: Any) -> None:
     on row i of its inputs, so it may run inside graphs on padded buckets. A known engine op that writes
     state through a context (``engine_ops``) raises ``ValueError``."""
     resolved = resolve_op(op)
-    packet = resolved.overloadpacket if isinstance(resolved, OpOverload) else resolved
-    refuse_token_local(str(getattr(packet, "_qualified_op_name", "")))
+    refuse_token_local(resolved)
     _REGISTERED.add(resolved)
 
 
