@@ -31,9 +31,9 @@ import torch
 from bench.report import describe_machine, machine_info, markdown_table, update_markdown_section
 from bench.traffic_shapes import load_shapes
 from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS
-from ppcompile.planning import DEFAULT_GRAPH_GAIN_TOKENS, LadderPlan, evaluate_ladder, plan_buckets
+from ppcompile.planning.planner import DEFAULT_GRAPH_GAIN_TOKENS, LadderPlan, evaluate_ladder, plan_buckets
+from ppcompile.planning.traffic import TokenHistogram
 from ppcompile.runtime.buckets import default_capture_ladder
-from ppcompile.traffic import TokenHistogram
 
 UNBOUNDED_GAIN = 1e9  # token-equivalents: more than any padding a histogram here can cost
 

@@ -24,7 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ppcompile.traffic import TokenHistogram
+from ppcompile.planning.traffic import TokenHistogram
 
 __all__ = ["SHAPES", "TRAFFIC_DIR", "bimodal", "chunked_prefill", "load_shapes", "uniform"]
 

@@ -14,12 +14,12 @@ from ppcompile.backends.warm_cache import clear_warm_cache, warm_cache_dir
 from ppcompile.backends.warm_start import WarmStage, warm_compile
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
-from ppcompile.dynamic import TokenMarking, mark_first_call, mark_token_dynamic
-from ppcompile.layer_regions import layer_region_plans, trace_layers_once
+from ppcompile.debug import DEBUG_HOOKS
+from ppcompile.observe.hooks import observe_stages
 from ppcompile.passes.check_padding_safety import PaddingSafetyError
-from ppcompile.planning import plan_buckets
+from ppcompile.planning.planner import plan_buckets
+from ppcompile.planning.traffic import TokenHistogram, token_histogram
 from ppcompile.proxy import PPProxyTensors
-from ppcompile.regions import eager_region, opaque_library_mixers, opaque_module, token_local
 from ppcompile.runtime.executors import ReplayAddressError
 from ppcompile.runtime.fences import fence_outputs
 from ppcompile.runtime.group_agreement import GroupCaptureError, GroupDivergenceError
@@ -27,7 +27,9 @@ from ppcompile.runtime.stage_runtime import ConcurrentCallError
 from ppcompile.runtime.stale_outputs import StaleOutputError
 from ppcompile.runtime.validation import InputMismatchError
 from ppcompile.torch_internals import register_backend
-from ppcompile.traffic import TokenHistogram, token_histogram
+from ppcompile.tracing.layer_regions import layer_region_plans, trace_layers_once
+from ppcompile.tracing.marks import TokenMarking, mark_first_call, mark_token_dynamic
+from ppcompile.tracing.regions import eager_region, opaque_library_mixers, opaque_module, token_local
 
 __all__ = [
     "ConcurrentCallError",
@@ -97,3 +99,4 @@ def _register_backend() -> None:
 
 _configure_logging()
 _register_backend()
+observe_stages(DEBUG_HOOKS)  # the debug tools observe from above (observe/hooks.py)

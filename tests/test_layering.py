@@ -1,7 +1,8 @@
 """The package's imports point one way: the analysis helpers import nothing of the passes or what follows
-them, the runtime never imports the compile side or the debug tools, the command-line interface sits above
-everything and nothing imports it, and no module imports itself back through others (lazy imports inside
-functions count too)."""
+them, the trace aids and the observer hooks sit below the passes, the runtime never imports the compile side
+or the debug tools, the debug tools observe from above without importing the compile side, the
+command-line interface sits above everything and nothing imports it, nothing below it reaches the package's
+``__init__``, and no module imports itself back through others (lazy imports inside functions count too)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ NOT_FROM_ANALYSIS = ("ppcompile.passes", "ppcompile.backends", "ppcompile.loweri
 # it (debug) must not be reachable from it.
 NOT_FROM_RUNTIME = ("ppcompile.analysis", "ppcompile.passes", "ppcompile.backends", "ppcompile.lowering",
                     "ppcompile.debug")
+# The trace aids (marks, declared regions, layers traced once) run before and inside Dynamo's trace; the
+# passes read what they leave. They know nothing of what compiles or serves a stage.
+NOT_FROM_TRACING = ("ppcompile.passes", "ppcompile.backends", "ppcompile.lowering", "ppcompile.runtime",
+                    "ppcompile.debug", "ppcompile.models", "ppcompile.pipeline", "ppcompile.planning")
+# What the compile side calls to be observed (dumps, progress, hooks) is low: it imports nothing it observes.
+NOT_FROM_OBSERVE = ("ppcompile.analysis", "ppcompile.passes", "ppcompile.backends", "ppcompile.lowering",
+                    "ppcompile.runtime", "ppcompile.debug", "ppcompile.models", "ppcompile.pipeline",
+                    "ppcompile.tracing", "ppcompile.planning")
+# The debug tools (report, HTML, tables) read a built runtime; they hear about it through observe/hooks.py.
+NOT_FROM_DEBUG = ("ppcompile.passes", "ppcompile.backends")
+# The runtime records traffic (planning.traffic); planning the buckets is the compile side's.
+PLANNER = "ppcompile.planning.planner"
+# The top level keeps what everything imports; an idea of its own gets a wing (a subpackage).
+TOP_LEVEL = {"__init__", "__main__", "config", "counters", "engine_ops", "envs", "errors", "proxy", "records",
+             "symbolic"}
 # The commands (ppcompile.cli) drive everything else; only the ``python -m ppcompile`` entry may import them.
 CLI = "ppcompile.cli"
 CLI_ENTRY = "ppcompile.__main__"
@@ -63,6 +79,33 @@ def test_the_analysis_helpers_import_nothing_downstream() -> None:
 
 def test_the_runtime_imports_neither_the_compile_side_nor_debug() -> None:
     assert not (wrong := _wrong("ppcompile.runtime", NOT_FROM_RUNTIME)), sorted(wrong)
+
+
+def test_the_trace_aids_import_nothing_of_what_compiles_or_serves() -> None:
+    assert not (wrong := _wrong("ppcompile.tracing", NOT_FROM_TRACING)), sorted(wrong)
+
+
+def test_the_observer_hooks_import_nothing_they_observe() -> None:
+    assert not (wrong := _wrong("ppcompile.observe", NOT_FROM_OBSERVE)), sorted(wrong)
+
+
+def test_the_debug_tools_observe_from_above() -> None:
+    assert not (wrong := _wrong("ppcompile.debug", NOT_FROM_DEBUG)), sorted(wrong)
+
+
+def test_the_runtime_does_not_plan() -> None:
+    assert not (wrong := _wrong("ppcompile.runtime", (PLANNER,))), sorted(wrong)
+
+
+def test_the_top_level_keeps_only_what_everything_imports() -> None:
+    found = {p.stem for p in PACKAGE.glob("*.py")}
+    assert found == TOP_LEVEL, f"new: {sorted(found - TOP_LEVEL)}; gone: {sorted(TOP_LEVEL - found)}"
+
+
+def test_nothing_below_the_cli_reaches_the_package_init() -> None:
+    wrong = {m for m, deps in _imports().items()
+             if "ppcompile" in deps and m not in ("ppcompile", CLI_ENTRY) and not _in_cli(m)}
+    assert not wrong, sorted(wrong)
 
 
 def test_nothing_below_the_cli_imports_it() -> None:

@@ -21,13 +21,12 @@ import torch
 from ppcompile import torch_internals
 from ppcompile.config import PPBreakableConfig, resolve_graph_mode
 from ppcompile.counters import counters
-from ppcompile.debug.capture import CaptureRecorder
-from ppcompile.debug.report import on_stage_compiled, publish_report
 from ppcompile.lowering import lower_stage
+from ppcompile.observe.hooks import capture_observer, stage_built
 from ppcompile.passes.context import PassContext
 from ppcompile.passes.manager import run_passes
 from ppcompile.runtime.compiled_stage import CompiledStage
-from ppcompile.runtime.observer import CaptureStart
+from ppcompile.runtime.observer import NO_OBSERVER, CaptureRun, CaptureStart
 from ppcompile.runtime.sibling_graphs import StaticCalls, input_changes, plan_static_calls
 from ppcompile.runtime.stage_runtime import RECOMPILE_LIMIT, StageRuntime
 from ppcompile.torch_internals.precompile import aot_compiling
@@ -236,24 +235,21 @@ def serve_stage(stage: CompiledStage, config: PPBreakableConfig, example_inputs:
     """The runtime serving ``stage``, registered (``stage_runtimes``, ``runtimes_of``), reported and
     dumped; ``example_inputs``: the inputs of the call it was compiled for."""
     stage = _lineage(stage, list(example_inputs))
-    built: list[weakref.ref[StageRuntime]] = []  # the runtime, for the report rewrite after a capture run
+    built: list[weakref.ref[StageRuntime]] = []  # the runtime, for observers of its capture runs
 
-    def capture_recorder(start: CaptureStart) -> CaptureRecorder:
-        def rewrite_report() -> None:
-            runtime = built[0]() if built else None
-            if runtime is not None:
-                publish_report(runtime)
+    def observe_capture(start: CaptureStart) -> CaptureRun:
+        runtime = built[0]() if built else None
+        run = None if runtime is None else capture_observer(runtime, start)
+        return NO_OBSERVER(start) if run is None else run
 
-        return CaptureRecorder(start, on_finish=rewrite_report)
-
-    runtime = StageRuntime(stage, config, observer=capture_recorder)  # capture runs -> debug
+    runtime = StageRuntime(stage, config, observer=observe_capture)  # capture runs -> observe.hooks
     built.append(weakref.ref(runtime))
     _RUNTIMES.append((weakref.ref(runtime), torch_internals.dynamo_generation()))
     _remember_state(runtime, example_inputs)
     _check_recompile_budget(runtime)
     _report_input_changes(runtime)
     _link_static_siblings(runtime)
-    on_stage_compiled(runtime)  # split/segment dumps, report, TORCH_TRACE
+    stage_built(runtime)  # ppcompile.debug: split/segment dumps, report, TORCH_TRACE
     log.info("%s", runtime.describe())
     return runtime
 

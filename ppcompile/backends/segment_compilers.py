@@ -28,7 +28,7 @@ import torch
 
 from ppcompile.analysis.node_facts import SEGMENT
 from ppcompile.counters import counters
-from ppcompile.debug.progress import Progress
+from ppcompile.observe.progress import Progress
 from ppcompile.passes.context import PassContext
 from ppcompile.records import InputKind, SegmentCompile
 from ppcompile.symbolic import example_value, size_expr

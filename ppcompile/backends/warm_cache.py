@@ -33,7 +33,7 @@ import torch
 
 from ppcompile import envs
 from ppcompile.config import PPBreakableConfig
-from ppcompile.debug.dumps import distributed_rank
+from ppcompile.observe.dumps import distributed_rank
 
 __all__ = [
     "FORMAT",

@@ -24,8 +24,6 @@ from typing import Any
 import torch
 
 from ppcompile.config import is_process_group
-from ppcompile.dynamic import tensors_in
-from ppcompile.layer_stamps import is_stamped
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.torch_internals.precompile import (
     aot_compile,
@@ -34,6 +32,8 @@ from ppcompile.torch_internals.precompile import (
     dumps_aot,
     loads_aot,
 )
+from ppcompile.tracing.layer_stamps import is_stamped
+from ppcompile.tracing.marks import tensors_in
 
 from .pp_breakable import stored_stage_graph
 from .stored_graph import StoredGraphError, StoredStageGraph, loading

@@ -17,9 +17,9 @@ import time
 import torch
 
 from ppcompile.cli.args import int_list
-from ppcompile.debug.dumps import stage_dir
 from ppcompile.debug.report import build_report
 from ppcompile.debug.table import format_report
+from ppcompile.observe.dumps import stage_dir
 
 __all__ = ["add_arguments", "parse_stage", "run"]
 

@@ -1,12 +1,12 @@
 """``python -m ppcompile plan --traffic FILE --max-buckets K``: a bucket ladder planned from recorded
-traffic. ``--probe`` measures ``graph_gain_tokens`` on this device first (``ppcompile.gain_probe``) and
+traffic. ``--probe`` measures ``graph_gain_tokens`` on this device first (``ppcompile.cli.gain_probe``) and
 plans with it (or only prints it, without ``--traffic``).
 
 FILE is a token histogram in JSON (``TokenHistogram.save``, e.g. of ``ppcompile.token_histogram()``
 merged over ranks). Prints the planned ladder next to the default ladder up to the same cap (cost,
 padded tokens per served token, fraction of forwards graphed) and the ``torch.compile`` options that
-apply it. The cost model is ``ppcompile.planning``'s: padding minus ``--graph-gain-tokens`` per graphed
-forward, eager forwards free.
+apply it. The cost model is ``ppcompile.planning.planner``'s: padding minus ``--graph-gain-tokens`` per
+graphed forward, eager forwards free.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from collections.abc import Mapping
 import torch
 
 from ppcompile.cli.args import int_list
+from ppcompile.cli.gain_probe import GainProbe, probe_graph_gain
 from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS
 from ppcompile.debug.table import format_table
-from ppcompile.gain_probe import GainProbe, probe_graph_gain
-from ppcompile.planning import DEFAULT_GRAPH_GAIN_TOKENS, LadderPlan, evaluate_ladder, plan_buckets
+from ppcompile.planning.planner import DEFAULT_GRAPH_GAIN_TOKENS, LadderPlan, evaluate_ladder, plan_buckets
+from ppcompile.planning.traffic import TokenHistogram
 from ppcompile.runtime.buckets import default_capture_ladder
-from ppcompile.traffic import TokenHistogram
 
 __all__ = ["add_arguments", "compare", "format_comparison", "format_probe", "run"]
 

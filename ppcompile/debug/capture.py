@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ppcompile.debug.progress import Progress
+from ppcompile.observe.progress import Progress
 from ppcompile.runtime.observer import BucketCapture, CaptureRecord, CaptureStart
 
 if TYPE_CHECKING:

@@ -10,6 +10,7 @@ happens at the first call that takes the graph path). The memory section is esti
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import os
@@ -18,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ppcompile.debug.capture import capture_records
-from ppcompile.debug.dumps import distributed_rank, emit_artifact, stage_dir, write_graph, write_text
 from ppcompile.debug.memory import SegmentMemory, memory_section, segment_memory
+from ppcompile.observe.dumps import distributed_rank, emit_artifact, stage_dir, write_graph, write_text
 from ppcompile.runtime.codegen import graph_forward_source, replay_passes_args
 from ppcompile.runtime.executors import EXECUTORS
 from ppcompile.runtime.program import GraphStep
@@ -104,7 +105,7 @@ def _config(runtime: StageRuntime) -> dict[str, Any]:
 
 def _traffic(runtime: StageRuntime) -> dict[str, Any]:
     """The live token counts the stage served so far and the padding they cost with its buckets."""
-    from ppcompile.planning import evaluate_ladder
+    from ppcompile.planning.planner import evaluate_ladder
 
     traffic = runtime.traffic
     if not traffic.total:
@@ -230,19 +231,25 @@ def _segments(runtime: StageRuntime, buffer_names: dict[int, str],
     return out
 
 
+def package_version() -> str:
+    """ppcompile's installed version (its distribution's metadata), or ``"unknown"`` when not installed."""
+    try:
+        return importlib.metadata.version("ppcompile")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_report(runtime: StageRuntime) -> dict[str, Any]:
     """The stage report of ``runtime`` as a JSON-ready dict (captures so far included)."""
     record = runtime.compiled.record
     records = capture_records(runtime)
     buffers, names = _buffers(runtime)
     memory = _segment_memory(runtime)
-    from ppcompile import __version__
-
     return {
         "schema": SCHEMA,
         "stage_graph": runtime.name,
         "rank": distributed_rank(),
-        "versions": {"ppcompile": __version__, "torch": torch.__version__},
+        "versions": {"ppcompile": package_version(), "torch": torch.__version__},
         "graph_mode": runtime.graph_mode,
         "eager_reason": runtime.eager_reason,
         "token_symbol": None if runtime.token_symbol is None else str(runtime.token_symbol),

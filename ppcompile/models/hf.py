@@ -40,7 +40,13 @@ from torch import nn
 from ppcompile.models.layers import PPMissingLayer, nested_region
 from ppcompile.models.stage import get_pp_indices
 from ppcompile.proxy import PPProxyTensors
-from ppcompile.regions import OPAQUE_LIBRARY_MIXERS, class_label, eager_region, opaque_module, token_local
+from ppcompile.tracing.regions import (
+    OPAQUE_LIBRARY_MIXERS,
+    class_label,
+    eager_region,
+    opaque_module,
+    token_local,
+)
 
 try:
     from transformers import masking_utils
@@ -175,7 +181,7 @@ class HFStage(nn.Module):
     (``TOKEN_LOCAL_BLOCKS``) token-local (``ppcompile.token_local``), so their routing stays in graphs,
     and their chunked linear-attention scans (``EAGER_CORES``) one eager break each
     (``ppcompile.eager_region``). Mamba and Mamba-2 mixers, whose torch code fixes the token count or its
-    class (``ppcompile.regions.OPAQUE_LIBRARY_MIXERS``), are made opaque custom ops
+    class (``ppcompile.tracing.regions.OPAQUE_LIBRARY_MIXERS``), are made opaque custom ops
     (``ppcompile.opaque_module``), one break each, whatever ``declare_regions`` says. A family
     HFStage cannot serve (``UNSUPPORTED``, layer kinds it does not know, mixers under ``varlen=True``)
     raises a ``ValueError`` saying why.

@@ -35,8 +35,11 @@ import torch
 
 from ppcompile.analysis.copied_calls import copy_node, innermost_module, replace_call, restacked
 from ppcompile.analysis.node_facts import BOUND_WEIGHT
-from ppcompile.layer_stamp_checks import Substitution, named_state
-from ppcompile.layer_stamps import (
+from ppcompile.passes.context import PassContext, PassResult
+from ppcompile.torch_internals import OpOverload, OpOverloadPacket
+from ppcompile.torch_internals.tracing import lazy_graph_module
+from ppcompile.tracing.layer_stamp_checks import Substitution, named_state
+from ppcompile.tracing.layer_stamps import (
     StampFacts,
     layer_input,
     layer_name,
@@ -45,10 +48,7 @@ from ppcompile.layer_stamps import (
     stamp_facts,
     stamped_layer,
 )
-from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.region_ops import region_write_back
-from ppcompile.torch_internals import OpOverload, OpOverloadPacket
-from ppcompile.torch_internals.tracing import lazy_graph_module
+from ppcompile.tracing.marker_ops import region_write_back
 
 __all__ = ["expand_stamped_layers"]
 

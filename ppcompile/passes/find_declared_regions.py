@@ -47,7 +47,7 @@ import torch
 
 from ppcompile.analysis.node_facts import EAGER_REGION, TOKEN_LOCAL
 from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.regions import (
+from ppcompile.tracing.regions import (
     ANNOTATION_KEY,
     LIBRARY_MODULES,
     LIBRARY_MOE_BLOCKS,

@@ -38,7 +38,7 @@ import torch
 
 from ppcompile.analysis.copied_calls import copy_node, innermost_module, replace_call, restacked
 from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.region_ops import region_copy, region_write_back
+from ppcompile.tracing.marker_ops import region_copy, region_write_back
 
 __all__ = ["inline_nested_regions"]
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 
 from ppcompile.analysis.node_facts import SEGMENT
-from ppcompile.debug.dumps import reset_stage_dir, stage_dir, write_graph
-from ppcompile.debug.progress import Progress
+from ppcompile.observe.dumps import reset_stage_dir, stage_dir, write_graph
+from ppcompile.observe.progress import Progress
 from ppcompile.passes.align_global_layers import align_global_layers
 from ppcompile.passes.check_capture_safety import check_capture_safety
 from ppcompile.passes.check_padding_safety import check_padding_safety

@@ -60,9 +60,9 @@ from ppcompile.analysis.partitions import atomic_regions, fold_tiny_graphs
 from ppcompile.engine_ops import OpRole
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
-from ppcompile.regions import is_library_label
 from ppcompile.symbolic import example_value, shape_exprs, size_expr
 from ppcompile.torch_internals import tree_leaves
+from ppcompile.tracing.regions import is_library_label
 
 __all__ = ["split_at_breaks"]
 

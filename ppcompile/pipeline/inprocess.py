@@ -23,7 +23,6 @@ from torch import nn
 
 from ppcompile import torch_internals
 from ppcompile.counters import counters
-from ppcompile.dynamic import mark_token_dynamic
 from ppcompile.models import (
     ModelConfig,
     get_pp_indices,
@@ -32,6 +31,7 @@ from ppcompile.models import (
     set_forward_context,
 )
 from ppcompile.proxy import PPProxyTensors
+from ppcompile.tracing.marks import mark_token_dynamic
 
 __all__ = ["STAGE_RECOMPILE_LIMIT", "InProcessPipeline", "StageBinding", "StageTrace"]
 

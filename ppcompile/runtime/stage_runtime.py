@@ -32,6 +32,7 @@ import torch
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.errors import add_note
+from ppcompile.planning.traffic import TokenHistogram, process_histogram
 from ppcompile.runtime.codegen import make_live_forward
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.fall_offs import (
@@ -51,7 +52,6 @@ from ppcompile.runtime.sibling_graphs import StaticCalls
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.token_counts import TokenCounts
 from ppcompile.runtime.validation import InputMismatchError, aliased_slots, check_inputs, storages_of
-from ppcompile.traffic import TokenHistogram, process_histogram
 
 __all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_GRAPHS",
            "RECOMPILE_LIMIT", "ConcurrentCallError", "StageRuntime"]

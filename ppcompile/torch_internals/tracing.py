@@ -1,4 +1,4 @@
-"""The private torch APIs of stamped layers (``ppcompile.layer_stamps``): which trace is running, and
+"""The private torch APIs of stamped layers (``ppcompile.tracing.layer_stamps``): which trace is running, and
 running a layer's code on meta tensors from inside it.
 
 A stamped layer's checks run while Dynamo traces the stage: they key what they learn by the trace

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 from ppcompile.cli import bench as bench_cli
-from ppcompile.traffic import TokenHistogram
+from ppcompile.planning.traffic import TokenHistogram
 
 shapes = bench_cli._bench("traffic_shapes")
 planning = bench_cli._bench("planning")

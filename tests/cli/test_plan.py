@@ -9,8 +9,8 @@ import pytest
 
 from ppcompile.cli.main import COMMANDS, main
 from ppcompile.config import PPBreakableConfig
+from ppcompile.planning.traffic import TokenHistogram
 from ppcompile.runtime.buckets import default_capture_ladder
-from ppcompile.traffic import TokenHistogram
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_bad_option_exits_2(traffic: Path, capsys: pytest.CaptureFixture[str]) -
 
 def test_probe_measures_a_gain_and_plans_with_it(traffic: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """On CPU the emulation saves nothing, so the probed gain is small; the plan uses it."""
-    from ppcompile.gain_probe import probe_graph_gain
+    from ppcompile.cli.gain_probe import probe_graph_gain
 
     probe = probe_graph_gain([4, 8], calls=2)
     assert probe.sizes == (4, 8) and len(probe.gain_tokens) == 2 and probe.graph_mode == "emulate"

@@ -11,7 +11,7 @@ import pytest
 from debug_helpers import SIZES, compile_stage
 
 from ppcompile import envs
-from ppcompile.debug.progress import Progress
+from ppcompile.observe.progress import Progress
 
 
 class _Tty(io.StringIO):
@@ -39,7 +39,7 @@ def _run(stream: io.StringIO, clock: _Clock, steps: int = 5) -> Progress:
 def test_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("PPCOMPILE_PROGRESS", raising=False)
     tty, clock = _Tty(), _Clock()
-    with caplog.at_level(logging.INFO, logger="ppcompile.debug.progress"):
+    with caplog.at_level(logging.INFO, logger="ppcompile.observe.progress"):
         _run(tty, clock)
     frames = tty.getvalue().split("\r")[1:]
     assert frames[0].startswith("capture g [") and "2/5 buckets" in frames[0]  # not before 0.5 s
@@ -62,7 +62,7 @@ def test_log_line_only_off_a_terminal(
 ) -> None:
     monkeypatch.delenv("PPCOMPILE_PROGRESS", raising=False)
     pipe = io.StringIO()
-    with caplog.at_level(logging.INFO, logger="ppcompile.debug.progress"):
+    with caplog.at_level(logging.INFO, logger="ppcompile.observe.progress"):
         _run(pipe, _Clock())
     assert pipe.getvalue() == ""
     assert len(caplog.records) == 1
@@ -94,7 +94,7 @@ def test_abort_ends_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_capture_logs_time_and_memory_per_bucket(caplog: pytest.LogCaptureFixture) -> None:
     stage = compile_stage({})
-    with caplog.at_level(logging.DEBUG, logger="ppcompile.debug"):
+    with caplog.at_level(logging.DEBUG, logger="ppcompile"):
         stage.call(10)
     per_bucket = [r.getMessage() for r in caplog.records if r.name == "ppcompile.debug.capture"]
     assert len(per_bucket) == len(SIZES)
@@ -102,7 +102,7 @@ def test_capture_logs_time_and_memory_per_bucket(caplog: pytest.LogCaptureFixtur
     for i, (msg, b) in enumerate(zip(per_bucket, sorted(SIZES, reverse=True))):
         held = r"[\d.]+ KiB" if i == 0 else "0 B"
         assert re.fullmatch(rf"stage_graph_\w+: bucket {b}: 2 graphs in [\d.]+ ms, outputs {held}", msg)
-    stages = [r.getMessage() for r in caplog.records if r.name == "ppcompile.debug.progress"]
+    stages = [r.getMessage() for r in caplog.records if r.name == "ppcompile.observe.progress"]
     assert len(stages) == 2  # one line for the compile's passes, one for the capture
     assert re.search(r"compile stage_graph_\w+: \d+ passes in [\d.]+ s", stages[0])
     assert re.search(r"capture stage_graph_\w+: captured 8 graphs \(2 segments x 4 buckets, emulate\) "

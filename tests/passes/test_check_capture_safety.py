@@ -16,7 +16,7 @@ from ppcompile.analysis.node_facts import CAPTURE_UNSAFE, segments
 from ppcompile.passes.check_capture_safety import check_capture_safety
 from ppcompile.passes.split_at_breaks import split_at_breaks
 from ppcompile.records import BreakKind
-from ppcompile.regions import undeclare
+from ppcompile.tracing.regions import undeclare
 
 SIZES = [4, 8]
 COUNTS = [1, 4, 5, 8, 9]  # one token, a bucket, a bucket + 1, the cap, above it

@@ -14,13 +14,13 @@ from fx_helpers import dynamo_graph, make_ctx, run_until
 from torch import nn
 
 import ppcompile
-from ppcompile import regions
 from ppcompile.analysis import partitions
 from ppcompile.analysis.node_facts import PADDING_UNSAFE, TOKEN_LOCAL
 from ppcompile.passes.check_padding_safety import check_padding_safety
 from ppcompile.passes.find_declared_regions import find_declared_regions
 from ppcompile.records import BreakKind
-from ppcompile.regions import is_declared, undeclare
+from ppcompile.tracing import regions
+from ppcompile.tracing.regions import is_declared, undeclare
 
 H = 8
 CAPTURE = [8, 16]

@@ -214,7 +214,7 @@ def test_each_inlined_copy_is_stacked_under_its_own_call_only() -> None:
 
 def test_copies_of_a_call_traced_flat_go_and_the_graph_is_modified() -> None:
     """Under dynamic=True the layers trace flat, yet their region copies reach the graph."""
-    from ppcompile.region_ops import region_copy, region_write_back
+    from ppcompile.tracing.marker_ops import region_copy, region_write_back
 
     def f(t: torch.Tensor) -> torch.Tensor:
         c = region_copy(t)

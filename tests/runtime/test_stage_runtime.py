@@ -624,7 +624,7 @@ def test_lazy_capture_captures_a_bucket_at_its_first_use(graph_mode: str) -> Non
 
 
 def test_a_capture_budget_spends_on_the_most_served_buckets_first() -> None:
-    from ppcompile.traffic import process_histogram
+    from ppcompile.planning.traffic import process_histogram
 
     m = Stage()
     c = _compile(m, capture="lazy", capture_budget_s=60.0)

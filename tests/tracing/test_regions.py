@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ppcompile
-from ppcompile.regions import OPAQUE_LIBRARY_MIXERS, opaque_library_mixers, opaque_module
+from ppcompile.tracing.regions import OPAQUE_LIBRARY_MIXERS, opaque_library_mixers, opaque_module
 
 H = 8
 SIZES = [4, 8, 16]

@@ -15,13 +15,13 @@ from stage_checks import assert_close
 from torch import nn
 
 import ppcompile
-from ppcompile.layer_regions import DEFAULT_MIN_REGION_MODULES
 from ppcompile.models import (
     REFERENCE_CONFIGS,
     make_stage,
 )
 from ppcompile.runtime.stage_runtime import StageRuntime
 from ppcompile.torch_internals import region_traces_reused
+from ppcompile.tracing.layer_regions import DEFAULT_MIN_REGION_MODULES
 
 pytestmark = pytest.mark.skipif(getattr(torch.compiler, "nested_compile_region", None) is None,
                                 reason="this torch has no nested_compile_region")
@@ -79,7 +79,7 @@ def test_the_plan_keeps_per_layer_constants_out_of_regions() -> None:
 
 def test_modules_repeated_inside_a_region_are_left_to_it(caplog: pytest.LogCaptureFixture) -> None:
     cfg = REFERENCE_CONFIGS["small-moe"].replace(num_layers=9)
-    with caplog.at_level(logging.INFO, logger="ppcompile.layer_regions"):
+    with caplog.at_level(logging.INFO, logger="ppcompile.tracing.layer_regions"):
         stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 3), stamp=False)
     plans = ppcompile.layer_region_plans(stage) or ()
     assert [plan.layers for plan in plans] == [("layers.3", "layers.4", "layers.5")]  # none for experts
@@ -189,7 +189,7 @@ class _Unrepeated(nn.Module):
 
 def test_a_stage_without_repeated_layers_is_left_flat(caplog: pytest.LogCaptureFixture) -> None:
     module = _Unrepeated()
-    with caplog.at_level(logging.INFO, logger="ppcompile.layer_regions"):
+    with caplog.at_level(logging.INFO, logger="ppcompile.tracing.layer_regions"):
         assert ppcompile.trace_layers_once(module) is module
     assert ppcompile.layer_region_plans(module) == ()
     assert "has no repeated layers" in caplog.text

@@ -2,7 +2,7 @@
 
 Dynamo traces a stage op by op, so its trace grows with the layer count. By default
 ``trace_layers_once`` stamps each group of alike layers out from the first one Dynamo traces
-(``ppcompile.layer_stamps``): per-layer constants passed to custom ops (global layer ids) do not stop
+(``ppcompile.tracing.layer_stamps``): per-layer constants passed to custom ops (global layer ids) do not stop
 it. With ``stamp=False`` it wraps the repeated modules of the stage (its decoder layers, or the parts of
 them that are alike in every layer) as ``torch.compiler.nested_compile_region`` calls instead: Dynamo
 traces the first call and stamps its subgraph out for the others, and the backend's first pass inlines
@@ -55,9 +55,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ppcompile.layer_stamps import install_stamps
-from ppcompile.region_ops import region_copy, region_write_back
 from ppcompile.torch_internals import every_dim_dynamic, nested_compile_region
+from ppcompile.tracing.layer_stamps import install_stamps
+from ppcompile.tracing.marker_ops import region_copy, region_write_back
 
 __all__ = ["DEFAULT_MIN_REGION_MODULES", "LayerRegionPlan", "RegionSite", "layer_region_plans", "region_copy",
            "trace_layers_once"]
@@ -118,7 +118,7 @@ def trace_layers_once(
     their ``nn.ModuleList``, a stamped layer's handle in ``_ppcompile_stamp``; a region's instance
     ``forward``) and returns it. A second call does nothing. Logs
     the plan at INFO; :func:`layer_region_plans` returns it.
-    ``stamp``: stamp whole layers out (``ppcompile.layer_stamps``); False makes regions instead.
+    ``stamp``: stamp whole layers out (``ppcompile.tracing.layer_stamps``); False makes regions instead.
     ``min_region_modules`` (regions only): the fewest modules with parameters of their own a region's
     subtree holds.
     """

@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ppcompile
-from ppcompile.traffic import FORMAT, MAX_EXACT_TOKENS, TokenHistogram, process_histogram, token_histogram
+from ppcompile.planning.traffic import (
+    FORMAT,
+    MAX_EXACT_TOKENS,
+    TokenHistogram,
+    process_histogram,
+    token_histogram,
+)
 
 token_counts = st.lists(st.integers(1, 300), max_size=60)
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ppcompile.config import DEFAULT_MAX_CAPTURE_TOKENS, PPBreakableConfig
-from ppcompile.traffic import TokenHistogram
+from ppcompile.planning.traffic import TokenHistogram
 
 __all__ = ["DEFAULT_GRAPH_GAIN_TOKENS", "LadderPlan", "evaluate_ladder", "plan_buckets"]
 

@@ -49,7 +49,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ppcompile.layer_stamp_checks import (
+from ppcompile.torch_internals import every_dim_dynamic
+from ppcompile.torch_internals.tracing import trace_attempt
+from ppcompile.tracing.layer_stamp_checks import (
     LAYER_CLASS,
     Substitution,
     compare_layers,
@@ -58,9 +60,7 @@ from ppcompile.layer_stamp_checks import (
     own_forward,
     tensor_key,
 )
-from ppcompile.region_ops import region_write_back
-from ppcompile.torch_internals import every_dim_dynamic
-from ppcompile.torch_internals.tracing import trace_attempt
+from ppcompile.tracing.marker_ops import region_write_back
 
 __all__ = ["StampFacts", "install_stamps", "is_stamped", "layer_name", "layer_of", "stamp_facts"]
 

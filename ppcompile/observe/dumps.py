@@ -10,7 +10,7 @@ Layout, per process (``rank_<r>/`` only when ``torch.distributed`` is initialise
         runtime_code.txt            the code the runtime generated for each call (runtime/codegen.py)
         report.json, report.html    the stage report (rewritten after capture)
 
-Every ``.py`` file is runnable (see :mod:`ppcompile.debug.runnable`). The same text is emitted through
+Every ``.py`` file is runnable (see :mod:`ppcompile.observe.runnable`). The same text is emitted through
 ``torch._logging.trace_structured("artifact", ...)``, so ``TORCH_TRACE=dir`` + ``tlparse`` show it; the
 text is only built when a trace handler is installed.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ppcompile.debug.runnable import runnable_source
+from ppcompile.observe.runnable import runnable_source
 from ppcompile.torch_internals import trace_artifact
 
 __all__ = ["distributed_rank", "emit_artifact", "reset_stage_dir", "stage_dir", "write_graph", "write_text"]

@@ -31,7 +31,7 @@ from ppcompile.runtime.stage_runtime import StageRuntime
 CAP = 16
 OPTIONS = {"segment_compiler": "eager", "graph_mode": "emulate", "max_capture_tokens": CAP}
 COUNTS = (1, 8, 9, 16, 23)  # 1, exactly a bucket, a bucket + 1, the cap, above the cap
-STAMP_LOG = "ppcompile.layer_stamps"
+STAMP_LOG = "ppcompile.tracing.layer_stamps"
 
 
 @pytest.fixture(autouse=True)

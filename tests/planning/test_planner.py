@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 import ppcompile
 from ppcompile.config import PPBreakableConfig
-from ppcompile.planning import DEFAULT_GRAPH_GAIN_TOKENS, LadderPlan, evaluate_ladder, plan_buckets
+from ppcompile.planning.planner import DEFAULT_GRAPH_GAIN_TOKENS, LadderPlan, evaluate_ladder, plan_buckets
+from ppcompile.planning.traffic import TokenHistogram
 from ppcompile.runtime.buckets import make_bucket_plan
-from ppcompile.traffic import TokenHistogram
 
 factors = st.one_of(st.sampled_from([1.0, 1.25, 1.5, 2.0, 3.0]), st.floats(1.0, 4.0))
 # multiples of 1/64 (used exactly), small ones, and one above any padding

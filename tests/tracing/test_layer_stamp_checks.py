@@ -9,7 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from ppcompile.layer_stamp_checks import Substitution, compare_layers, decode_arguments, encode_arguments
+from ppcompile.tracing.layer_stamp_checks import (
+    Substitution,
+    compare_layers,
+    decode_arguments,
+    encode_arguments,
+)
 
 
 @torch.library.custom_op("ppcompile_test::shifted", mutates_args=())
