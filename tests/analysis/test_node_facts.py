@@ -103,9 +103,9 @@ def test_each_key_and_its_writer() -> None:
     }
 
 
-# Files that may spell a fact's key: node_facts itself; regions.py, whose ANNOTATION_KEY is the same string
-# in another dict (meta["custom"]).
-KEYS_SPELLED_IN = {"analysis/node_facts.py", "regions.py"}
+# Files that may spell a fact's key: node_facts itself; tracing/regions.py, whose ANNOTATION_KEY is the same
+# string in another dict (meta["custom"]).
+KEYS_SPELLED_IN = {"analysis/node_facts.py", "tracing/regions.py"}
 
 
 def test_the_keys_are_spelled_only_in_node_facts() -> None:
