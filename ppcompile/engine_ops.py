@@ -39,6 +39,8 @@ import enum
 import re
 from typing import Any
 
+from ppcompile.torch_internals.ops import qualified_op_name
+
 __all__ = ["ENGINE_OPS", "EngineOp", "OpRole", "engine_op", "layer_from_name", "names_with_role",
            "refuse_token_local"]
 
@@ -139,8 +141,7 @@ def refuse_token_local(op: Any) -> None:
     """Raises ``ValueError`` if ``op`` (``"ns::name"``, a packet or an overload) is a known op that writes
     state through a context, declared token-local: declared so, it would run inside graph segments on
     padded rows and write padding into the state."""
-    packet = getattr(op, "overloadpacket", op)
-    qualified_name = op if isinstance(op, str) else str(getattr(packet, "_qualified_op_name", ""))
+    qualified_name = op if isinstance(op, str) else qualified_op_name(op) or ""
     entry = ENGINE_OPS.get(qualified_name)
     if entry is not None and entry.role is OpRole.STATE_WRITE:
         raise ValueError(

@@ -32,6 +32,10 @@ def test_bound_entries() -> None:
     assert isinstance(torch.ops.aten.add.Tensor, ti.OpOverload)
     assert isinstance(torch.ops.aten.add, ti.OpOverloadPacket)
     assert ti.tree_leaves(((1, [2]), {"a": 3})) == [1, 2, 3]
+    assert ti.qualified_op_name(torch.ops.aten.add.Tensor) == ti.qualified_op_name(torch.ops.aten.add) == \
+        "aten::add"
+    assert ti.qualified_op_name(torch.ops.pptest_internals.twice.default) == "pptest_internals::twice"
+    assert ti.qualified_op_name(torch.add) is None
     assert ti.C_SCALED_DOT_PRODUCT_ATTENTION is torch.nn.functional.scaled_dot_product_attention
     assert ti.has_internal_overlap(torch.ones(1, 3).expand(4, 3))
     assert not ti.has_internal_overlap(torch.ones(4, 3))

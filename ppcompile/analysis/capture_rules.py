@@ -30,6 +30,7 @@ from ppcompile.torch_internals import (
     OpOverloadPacket,
     custom_op_implementation,
     data_dependent_errors,
+    qualified_op_name,
     static_fake_mode,
     tree_leaves,
 )
@@ -56,9 +57,7 @@ def _torch_name(node: torch.fx.Node) -> str | None:
     target = node.target
     if node.op == "call_method":
         return str(target)
-    if isinstance(target, (OpOverload, OpOverloadPacket)):
-        packet = target.overloadpacket if isinstance(target, OpOverload) else target
-        qualname = str(packet._qualified_op_name)
+    if (qualname := qualified_op_name(target)) is not None:
         return qualname.split("::")[1] if qualname.startswith(("aten::", "prims::")) else None
     module = getattr(target, "__module__", None) or ""
     return getattr(target, "__name__", None) if module == "torch" or module.startswith("torch.") else None
@@ -187,16 +186,15 @@ class CaptureRules:
         return why
 
     def _custom(self, node: torch.fx.Node) -> str | None:
-        target = node.target
-        packet = target.overloadpacket if isinstance(target, OpOverload) else target
-        fn = custom_op_implementation(str(packet._qualified_op_name))  # type: ignore[union-attr]
+        qualname = qualified_op_name(node.target)
+        fn = None if qualname is None else custom_op_implementation(qualname)
         if fn is None:
             return None
         leaves = tree_leaves((node.args, node.kwargs))
         values = (example_value(a) for a in leaves if isinstance(a, torch.fx.Node))
         shapes = tuple(tuple(map(size_expr, v.shape)) if isinstance(v, torch.Tensor) else None
                        for v in values)
-        key = (packet, shapes)
+        key = (qualname, shapes)
         if key not in self._probed:
             self._probed[key] = _probe(fn, node)
         return self._probed[key]

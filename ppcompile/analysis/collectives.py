@@ -28,7 +28,7 @@ import torch
 from ppcompile.analysis.node_facts import token_dim_sizes
 from ppcompile.analysis.op_matching import op_name
 from ppcompile.records import Collective
-from ppcompile.torch_internals import OpOverload, OpOverloadPacket
+from ppcompile.torch_internals import OpOverload, qualified_op_name
 
 __all__ = ["ELEMENTWISE", "MOVES_DIM0", "find_collective_uses", "functional_collective"]
 
@@ -55,11 +55,8 @@ _ACROSS_TOKENS = {
 def functional_collective(node: torch.fx.Node) -> str | None:
     """The name of the ``_c10d_functional`` op ``node`` calls (``all_reduce``), or None."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, (OpOverload, OpOverloadPacket)):
-        return None
-    packet = target.overloadpacket if isinstance(target, OpOverload) else target
-    qualname = str(packet._qualified_op_name)
-    return qualname[len(_NAMESPACE):] if qualname.startswith(_NAMESPACE) else None
+    qualname = qualified_op_name(target) if node.op == "call_function" else None
+    return qualname[len(_NAMESPACE):] if qualname is not None and qualname.startswith(_NAMESPACE) else None
 
 
 def _group_name(node: torch.fx.Node) -> str | None:

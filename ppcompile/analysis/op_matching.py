@@ -9,7 +9,12 @@ from typing import Any
 import torch
 
 from ppcompile.engine_ops import EngineOp, OpRole, engine_op, layer_from_name, names_with_role
-from ppcompile.torch_internals import C_SCALED_DOT_PRODUCT_ATTENTION, OpOverload, OpOverloadPacket
+from ppcompile.torch_internals import (
+    C_SCALED_DOT_PRODUCT_ATTENTION,
+    OpOverload,
+    OpOverloadPacket,
+    qualified_op_name,
+)
 
 __all__ = [
     "ATTENTION_LAYER_ARGS",
@@ -57,11 +62,7 @@ def resolve_op(op: str | Any) -> Any:
 
 
 def _qualname(op: Any) -> str:
-    if isinstance(op, OpOverload):
-        op = op.overloadpacket
-    if isinstance(op, OpOverloadPacket):
-        return op._qualified_op_name
-    return getattr(op, "__qualname__", str(op))
+    return qualified_op_name(op) or str(getattr(op, "__qualname__", op))
 
 
 def op_name(node: torch.fx.Node, *, qualified: bool = False) -> str:
@@ -99,9 +100,8 @@ def engine_entry(node: torch.fx.Node) -> EngineOp | None:
     """The entry of the known engine op ``node`` calls (``engine_ops.ENGINE_OPS``), or None."""
     if node.op != "call_function":
         return None
-    target = node.target
-    packet = target.overloadpacket if isinstance(target, OpOverload) else target
-    return engine_op(packet._qualified_op_name) if isinstance(packet, OpOverloadPacket) else None
+    qualname = qualified_op_name(node.target)
+    return None if qualname is None else engine_op(qualname)
 
 
 class OpMatcher:
@@ -133,19 +133,18 @@ def attention_layer_id(
     argument, or the one integer of a layer-name argument, given as a constant or as a graph input whose
     traced value ``input_values`` holds; None otherwise."""
     target = node.target
-    packet = target.overloadpacket if isinstance(target, OpOverload) else target
-    if not isinstance(packet, OpOverloadPacket):
+    if (qualname := qualified_op_name(target)) is None:
         return None
-    arg_name = ATTENTION_LAYER_ARGS.get(packet._qualified_op_name)
+    arg_name = ATTENTION_LAYER_ARGS.get(qualname)
     if arg_name is None:
-        entry = engine_op(packet._qualified_op_name)
+        entry = engine_op(qualname)
         arg_name = entry.layer_arg if entry is not None and entry.role is OpRole.ATTENTION else None
     if arg_name is None:
         return None
     if arg_name in node.kwargs:
         value = node.kwargs[arg_name]
     else:
-        schema = (target if isinstance(target, OpOverload) else packet.default)._schema
+        schema = (target if isinstance(target, OpOverload) else target.default)._schema  # type: ignore[union-attr]
         names = [a.name for a in schema.arguments]
         if arg_name not in names or names.index(arg_name) >= len(node.args):
             return None

@@ -26,7 +26,7 @@ import torch
 from ppcompile.analysis.node_facts import token_dim_sizes
 from ppcompile.analysis.op_matching import op_name
 from ppcompile.symbolic import example_value, first_exceeding
-from ppcompile.torch_internals import OpOverload, OpOverloadPacket
+from ppcompile.torch_internals import qualified_op_name
 
 __all__ = ["CONV_OPS", "SCAN_OPS", "Tail", "causal_conv_tail", "escaping_tails", "is_prefix_slice"]
 
@@ -89,11 +89,8 @@ def causal_conv_tail(node: torch.fx.Node) -> Tail | str | None:
 def _slice_kind(node: torch.fx.Node) -> str | None:
     """``"narrow"`` for ``narrow`` (a method, a function, ``aten.narrow``), ``"slice"`` for
     ``aten.slice`` (``x[..., :k]`` in an exported graph), else None."""
-    target = node.target
-    if isinstance(target, OpOverload):
-        target = target.overloadpacket
-    if isinstance(target, OpOverloadPacket):
-        return _ATEN_SLICES.get(target._qualified_op_name)
+    if (qualname := qualified_op_name(node.target)) is not None:
+        return _ATEN_SLICES.get(qualname)
     return "narrow" if node.op in ("call_method", "call_function") and op_name(node) == "narrow" else None
 
 

@@ -26,7 +26,7 @@ from ppcompile.analysis.node_facts import token_dim_sizes
 from ppcompile.analysis.op_matching import resolve_op
 from ppcompile.analysis.prefix_causal import CONV_OPS, SCAN_OPS, causal_conv_tail, is_prefix_slice
 from ppcompile.engine_ops import refuse_token_local
-from ppcompile.torch_internals import OpOverload, OpOverloadPacket
+from ppcompile.torch_internals import OpOverload, OpOverloadPacket, qualified_op_name
 
 __all__ = [
     "RULES",
@@ -373,11 +373,9 @@ def rule_for(node: torch.fx.Node) -> Rule | None:
     if node.op == "call_method":
         return RULES.get(str(node.target))
     target = node.target
-    if isinstance(target, (OpOverload, OpOverloadPacket)):
-        packet = target.overloadpacket if isinstance(target, OpOverload) else target
-        if packet._qualified_op_name.startswith("aten::"):
-            return RULES.get(packet._qualified_op_name[len("aten::"):])
-        return None  # custom ops: unknown unless registered
+    if (qualname := qualified_op_name(target)) is not None:
+        # custom ops: unknown unless registered
+        return RULES.get(qualname[len("aten::"):]) if qualname.startswith("aten::") else None
     module = getattr(target, "__module__", None) or ""
     if target is operator.getitem or module.split(".")[0] in _TORCH_MODULES:
         return RULES.get(getattr(target, "__name__", ""))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import sympy
 import torch
@@ -24,6 +24,7 @@ from ppcompile.errors import add_note
 from ppcompile.torch_internals.lookup import TorchInternalsError
 from ppcompile.torch_internals.lookup import attr as _attr
 from ppcompile.torch_internals.lookup import lookup as _lookup
+from ppcompile.torch_internals.ops import OpOverload, OpOverloadPacket, qualified_op_name
 
 __all__ = [
     "C_SCALED_DOT_PRODUCT_ATTENTION", "OpOverload", "OpOverloadPacket", "TorchInternalsError",
@@ -31,7 +32,7 @@ __all__ = [
     "data_dependent_errors", "dynamo_compile_start_ns", "dynamo_generation", "every_dim_dynamic",
     "floats_specialized", "frame_compile_index", "frame_id",
     "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol",
-    "last_guard_failure", "mark_dynamic", "nested_compile_region",
+    "last_guard_failure", "mark_dynamic", "nested_compile_region", "qualified_op_name",
     "raise_recompile_limit", "recompile_limit", "region_traces_reused", "register_backend", "reset_dynamo",
     "resolve_process_group", "restart_analysis",
     "restart_with_floats_specialized", "shape_env_facts", "shape_env_guards", "shape_env_hints",
@@ -42,12 +43,6 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------- bound at import
-if TYPE_CHECKING:
-    from torch._ops import OpOverload, OpOverloadPacket
-else:
-    OpOverload = _lookup("torch._ops", "OpOverload", "to match graph targets against ops")
-    OpOverloadPacket = _lookup("torch._ops", "OpOverloadPacket", "to match graph targets against ops")
-
 #: Flattens nested lists, tuples and dicts (an op's ``(args, kwargs)``) to their leaves.
 tree_leaves: Callable[[Any], list[Any]] = _lookup(
     "torch.utils._pytree", "tree_leaves", "to flatten op arguments")
