@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
+from collections.abc import Mapping
 
 import torch
 
-__all__ = ["BreakKind", "BreakReason", "InputKind", "Segment", "SegmentCompile", "StaticBuffer"]
+__all__ = ["BREAK_KINDS", "BreakKind", "BreakKindInfo", "BreakReason", "InputKind", "RunMerge", "Segment",
+           "SegmentCompile", "StaticBuffer", "break_kind_info"]
 
 
 class BreakKind(str, enum.Enum):
-    """Why a segment runs eagerly between graph segments."""
+    """Why a segment runs eagerly between graph segments. A new kind is a member here and its row of
+    ``BREAK_KINDS`` (below); ``passes/split_at_breaks._break_reason`` holds the rule that finds it."""
 
     ATTENTION = "attention"
     USER_SPLIT_OP = "user split op"
@@ -22,6 +26,60 @@ class BreakKind(str, enum.Enum):
     NO_TENSOR_OUTPUTS = "no tensor outputs"
     EAGER_REGION = "declared eager region"
     STATE_WRITE = "engine state write"
+
+
+class RunMerge(str, enum.Enum):
+    """How a break joins the break right before it when that one is of the same kind (adjacent breaks are
+    always one break segment; a break of another kind always joins as ``JOIN`` does)."""
+
+    EXTEND = "extend"  # one reason for the run, naming every op of it ("padding-unsafe op: mean, sub")
+    JOIN = "join"  # named in the first reason's detail ("joined with the next break (...)"), layer id kept
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakKindInfo:
+    """One row of ``BREAK_KINDS``: what the split and the reports need to know about a ``BreakKind``."""
+
+    description: str  # why a break of this kind runs eagerly, as the reports explain it
+    color: str  # its colour in report.html (CSS hex)
+    merge: RunMerge  # how it joins an adjacent break of the same kind
+
+
+BREAK_KINDS: Mapping[BreakKind, BreakKindInfo] = types.MappingProxyType({
+    BreakKind.ATTENTION: BreakKindInfo(
+        "an attention op (a registered one or scaled_dot_product_attention) runs on the live tokens",
+        "#f28e2b", RunMerge.JOIN),
+    BreakKind.USER_SPLIT_OP: BreakKindInfo("an op listed in the split_ops option", "#b07aa1", RunMerge.JOIN),
+    BreakKind.NON_TOKEN_SHAPE: BreakKindInfo(
+        "a shape or size argument depends on a dynamic symbol other than the token count: a graph "
+        "captured per token bucket would replay a stale size", "#76b7b2", RunMerge.EXTEND),
+    BreakKind.UNSAFE_OP: BreakKindInfo(
+        "the op mixes token rows (check_padding_safety): in a graph it would read a bucket's padded rows",
+        "#e15759", RunMerge.EXTEND),
+    BreakKind.CAPTURE_UNSAFE: BreakKindInfo(
+        "a CUDA graph cannot capture the op (check_capture_safety)", "#9d4f2f", RunMerge.EXTEND),
+    BreakKind.HOST_SCALAR: BreakKindInfo(
+        "the op reads a Python number passed per call, which a graph would replay stale", "#edc948",
+        RunMerge.EXTEND),
+    BreakKind.NO_TENSOR_OUTPUTS: BreakKindInfo(
+        "the segment computes only numbers (size arithmetic): nothing for a graph to replay", "#bab0ac",
+        RunMerge.JOIN),
+    BreakKind.EAGER_REGION: BreakKindInfo(
+        "the ops were traced inside a declared eager region (ppcompile.eager_region): one break as a whole",
+        "#ff9da7", RunMerge.JOIN),
+    BreakKind.STATE_WRITE: BreakKindInfo(
+        "an engine op writes state (a KV cache, say) through the engine's forward context", "#59a14f",
+        RunMerge.JOIN),
+})
+
+
+def break_kind_info(kind: BreakKind | str) -> BreakKindInfo | None:
+    """The ``BREAK_KINDS`` row of ``kind``, a member or its value as a report stores it; None for a value
+    no member has (a report another version wrote)."""
+    try:
+        return BREAK_KINDS[BreakKind(kind)]
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ppcompile.debug.capture import buffer_bytes, format_bytes
+from ppcompile.records import break_kind_info
 
 __all__ = ["format_ids", "format_report", "format_table"]
 
@@ -53,6 +54,14 @@ def _segments(report: dict[str, Any]) -> str:
                      mem, why])
     return format_table(["#", "segment", "kind", "nodes", "layers", "out@cap", "break reason"], rows,
                         right=(0, 3, 5))
+
+
+def _break_kinds(report: dict[str, Any]) -> list[str]:
+    """What each kind of break in the report means (its ``records.BREAK_KINDS`` description), in order of
+    first appearance; nothing without breaks."""
+    kinds = dict.fromkeys(s["break_reason"]["kind"] for s in report["segments"] if s["break_reason"])
+    lines = [f"  {k}: {info.description}" for k in kinds if (info := break_kind_info(k)) is not None]
+    return ["break kinds:", *lines] if lines else []
 
 
 def _buffers(report: dict[str, Any]) -> str:
@@ -125,5 +134,5 @@ def format_report(report: dict[str, Any], path: str = "") -> str:
     if compile_s:
         parts = [f"{k} {v:.2f} s" for k, v in compile_s.items() if not k.startswith("pass.")]
         lines.append("compile: " + ", ".join(parts))
-    lines += ["", _segments(report), "", _buffers(report), "", _buckets(report)]
+    lines += ["", _segments(report), *_break_kinds(report), "", _buffers(report), "", _buckets(report)]
     return "\n".join(lines)

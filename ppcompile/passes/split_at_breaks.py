@@ -6,9 +6,10 @@ attention ops and ``scaled_dot_product_attention``), every op in the ``split_ops
 the token count, nodes that read a Python number passed per call (a graph captured per token bucket
 would replay a stale value), nodes ``check_capture_safety`` found a CUDA graph cannot capture, and
 nodes ``check_padding_safety`` found mixing token rows. Adjacent breaks (no op between them, or only
-views and size arithmetic, which ``fold_tiny_graphs`` folds) are one break segment: a run of breaks of one
-kind has one reason naming every op of the run; a break of another kind (an attention op and the KV-cache
-write beside it) joins the run, named in the reason's detail.
+views and size arithmetic, which ``fold_tiny_graphs`` folds) are one break segment. Each kind's row of
+``records.BREAK_KINDS`` says how: a run of breaks of one ``RunMerge.EXTEND`` kind (padding-unsafe ops, say)
+has one reason naming every op of the run; any other break (the next attention op, the KV-cache write
+beside an attention op) joins the run, named in the reason's detail.
 ``getitem`` nodes that unpack a break op's tuple stay with it. The split keeps the original node order
 (in-place ops stay where they were); it is ``split_module``'s, built in one walk by
 ``analysis.ordered_split`` (partitions follow the graph order), or by ``split_module`` where that does
@@ -59,7 +60,7 @@ from ppcompile.analysis.ordered_split import split_in_order
 from ppcompile.analysis.partitions import atomic_regions, fold_tiny_graphs
 from ppcompile.engine_ops import OpRole
 from ppcompile.passes.context import PassContext, PassResult
-from ppcompile.records import BreakKind, BreakReason, InputKind, Segment
+from ppcompile.records import BREAK_KINDS, BreakKind, BreakReason, InputKind, RunMerge, Segment
 from ppcompile.symbolic import example_value, shape_exprs, size_expr
 from ppcompile.torch_internals import tree_leaves
 from ppcompile.tracing.regions import is_library_label
@@ -127,7 +128,10 @@ def _break_reason(
     return None
 
 
-_MERGEABLE = (BreakKind.NON_TOKEN_SHAPE, BreakKind.UNSAFE_OP, BreakKind.CAPTURE_UNSAFE, BreakKind.HOST_SCALAR)
+def _extends(run: BreakReason, reason: BreakReason) -> bool:
+    """Whether ``reason``'s break extends the run of breaks ``run`` names (one kind, merged by naming every
+    op: its ``BREAK_KINDS`` rule) rather than joining it in the detail."""
+    return reason.kind is run.kind and BREAK_KINDS[reason.kind].merge is RunMerge.EXTEND
 
 
 def _extend(reason: BreakReason, node: torch.fx.Node) -> BreakReason:
@@ -202,7 +206,7 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             if current_is_break:
                 part += 1
                 current_is_break = False
-        elif current_is_break and reason.kind in _MERGEABLE and reasons[part].kind is reason.kind:
+        elif current_is_break and _extends(reasons[part], reason):
             reasons[part] = _extend(reasons[part], node)  # one break for a run of one kind
         elif current_is_break:  # adjacent breaks of different kinds: one break segment
             reasons[part] = _join(reasons[part], reason)

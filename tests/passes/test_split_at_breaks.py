@@ -14,7 +14,7 @@ from fx_helpers import dynamo_graph, make_ctx, run_until
 import ppcompile
 from ppcompile.analysis.node_facts import SEGMENT, TOKEN_DIMS, segments
 from ppcompile.passes.split_at_breaks import split_at_breaks
-from ppcompile.records import BreakKind, Segment
+from ppcompile.records import BREAK_KINDS, BreakKind, RunMerge, Segment
 
 
 def _split(fn: Any, *args: Any, **options: Any):  # type: ignore[no-untyped-def]
@@ -383,3 +383,32 @@ def test_folded_breaks_equal_eager_off_buckets() -> None:
             with ppcompile.counters.expect(replays=1):
                 torch.testing.assert_close(compiled(x), f(x))
     assert _kinds(ppcompile.stage_runtimes()[-1].segments) == "gbg"
+
+
+def test_every_break_kind_has_a_table_row() -> None:
+    """A new ``BreakKind`` needs its row of ``BREAK_KINDS``: a description, a colour of its own, a rule."""
+    assert set(BREAK_KINDS) == set(BreakKind)
+    assert all(row.description and row.color.startswith("#") for row in BREAK_KINDS.values())
+    assert len({row.color for row in BREAK_KINDS.values()}) == len(BREAK_KINDS)  # told apart in report.html
+
+
+def test_adjacent_breaks_merge_as_their_kinds_row_says() -> None:
+    """Padding-unsafe ops extend one run (one reason naming every op); split ops join it in the detail."""
+    assert BREAK_KINDS[BreakKind.UNSAFE_OP].merge is RunMerge.EXTEND
+    lin = torch.nn.Linear(8, 8)
+
+    def flip_roll(x: torch.Tensor) -> torch.Tensor:
+        return lin(torch.roll(torch.flip(lin(x), [0]), 1, 0))
+
+    split, _, _ = _split(flip_roll, torch.randn(6, 8))
+    assert _kinds(segments(split)) == "gbg"
+    (run,) = [s.reason for s in segments(split) if s.reason]
+    assert run.kind is BreakKind.UNSAFE_OP and "flip" in run.op and "roll" in run.op
+    assert "joined" not in run.detail
+
+    assert BREAK_KINDS[BreakKind.USER_SPLIT_OP].merge is RunMerge.JOIN
+    split, _, _ = _split(_two_mixes(0), torch.randn(6, 8), split_ops=["pptest::mix"])
+    assert _kinds(segments(split)) == "gbg"
+    (joined,) = [s.reason for s in segments(split) if s.reason]
+    assert joined.op == "pptest.mix"
+    assert "joined with the next break (user split op: pptest.mix)" in joined.detail
