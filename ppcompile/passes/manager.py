@@ -1,13 +1,14 @@
 """Runs the passes in order: times, logs and (when asked) dumps each; reports a failing pass by name.
 
-The order is the tuple ``PASSES`` below, one comment per entry saying why it sits there.
+The order is the tuple ``PASSES`` below, one comment per entry saying why it sits there. ``run_passes`` takes
+another tuple by argument (a test leaves a pass out, or adds one that fails).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -76,13 +77,16 @@ def _dump(gm: torch.fx.GraphModule, ctx: PassContext, index: int, name: str) -> 
     write_graph(ctx.config.dump_dir, ctx.graph_name, f"{index:02d}.{name}.py", gm, what)
 
 
-def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Runs ``PASSES`` in order and returns the final (split) graph module."""
+def run_passes(
+    gm: torch.fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] = PASSES
+) -> torch.fx.GraphModule:
+    """Runs ``passes`` (the manager's ``PASSES`` unless given) in order and returns the final graph module
+    (the split one, after ``PASSES``)."""
     if ctx.config.dump_dir is not None:
         reset_stage_dir(stage_dir(ctx.config.dump_dir, ctx.graph_name))
     _dump(gm, ctx, 0, "dynamo_graph")
-    progress = Progress(f"pp_breakable compile {ctx.graph_name}", len(PASSES), "passes")
-    for index, p in enumerate(PASSES, start=1):
+    progress = Progress(f"pp_breakable compile {ctx.graph_name}", len(passes), "passes")
+    for index, p in enumerate(passes, start=1):
         start = time.perf_counter()
         try:
             result = p(gm, ctx)
@@ -106,7 +110,7 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModu
             _dump(gm, ctx, index, p.__name__)
         progress.advance(note=p.__name__)
     slowest = max(ctx.pass_times, key=ctx.pass_times.__getitem__, default="-")
-    progress.finish(f"{len(PASSES)} passes in {progress.elapsed_s:.2f} s (slowest {slowest}: "
+    progress.finish(f"{len(passes)} passes in {progress.elapsed_s:.2f} s (slowest {slowest}: "
                     f"{1e3 * ctx.pass_times.get(slowest, 0.0):.1f} ms), {_segment_count(gm)} segments")
     return gm
 

@@ -11,7 +11,6 @@ from attention_modules import Attn, attention_context
 from fx_helpers import bridges, dynamo_graph, make_ctx
 
 from ppcompile.analysis.node_facts import segments
-from ppcompile.passes import manager
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.passes.manager import PASSES, PassError, run_passes
 from ppcompile.torch_internals import restart_analysis
@@ -81,13 +80,12 @@ def _bad_value(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     raise ValueError("a user error with its own message")
 
 
-def test_failing_pass_is_reported_by_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(manager, "PASSES", (PASSES[0], _boom, *PASSES[1:]))
+def test_failing_pass_is_reported_by_name(tmp_path: Path) -> None:
     gm, ex = _graph()
     ctx = make_ctx(gm, ex, dump_dir=str(tmp_path))
     ctx.graph_name = "stage_x"
     with pytest.raises(PassError, match=r"pass '_boom' failed on stage_x: KeyError") as info:
-        run_passes(gm, ctx)
+        run_passes(gm, ctx, passes=(PASSES[0], _boom, *PASSES[1:]))
     assert isinstance(info.value.__cause__, KeyError)
     assert str(tmp_path) in str(info.value)
     assert list(ctx.pass_times) == [PASSES[0].__name__]
@@ -97,20 +95,18 @@ def _restart(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     raise restart_analysis()()
 
 
-def test_dynamo_restart_passes_through_unwrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dynamo_restart_passes_through_unwrapped() -> None:
     """A pass may ask Dynamo to re-trace (``tensorify_float_attributes``): that is no failure."""
-    monkeypatch.setattr(manager, "PASSES", (_restart,))
     gm, ex = _graph()
     with pytest.raises(restart_analysis()) as info:
-        run_passes(gm, make_ctx(gm, ex))
+        run_passes(gm, make_ctx(gm, ex), passes=(_restart,))
     assert not isinstance(info.value, PassError)
 
 
-def test_value_error_passes_through_unwrapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manager, "PASSES", (_bad_value,))
+def test_value_error_passes_through_unwrapped() -> None:
     gm, ex = _graph()
     with pytest.raises(ValueError, match="a user error with its own message"):
-        run_passes(gm, make_ctx(gm, ex))
+        run_passes(gm, make_ctx(gm, ex), passes=(_bad_value,))
 
 
 def test_duplicate_layer_ids_reach_the_caller_as_value_error() -> None:

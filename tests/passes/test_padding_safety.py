@@ -10,8 +10,14 @@ import pytest
 import torch
 
 import ppcompile
-from ppcompile.passes import check_padding_safety, manager
+from ppcompile.backends.pp_breakable import serve_stage
+from ppcompile.backends.segment_compilers import compile_segments
+from ppcompile.config import PPBreakableConfig
+from ppcompile.lowering import lower_stage
+from ppcompile.passes import check_padding_safety
 from ppcompile.passes.check_padding_safety import PaddingSafetyError
+from ppcompile.passes.context import PassContext
+from ppcompile.passes.manager import PASSES, run_passes
 from ppcompile.records import BreakKind
 
 H = 8
@@ -125,11 +131,27 @@ def test_on_unsafe_error_names_op_and_line(name: str) -> None:
     assert op in str(err) and "test_padding_safety.py" in str(err)
 
 
-def test_without_the_check_padding_leaks(monkeypatch: pytest.MonkeyPatch) -> None:
+def _backend_without(skipped: str) -> Callable[..., Any]:
+    """A backend compiling as ``pp_breakable`` does (emulated graphs), but through the manager's passes
+    without the one named ``skipped``."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        config = PPBreakableConfig.from_options({"capture_sizes": CAPTURE, "graph_mode": "emulate"})
+        ctx = PassContext(config=config, example_inputs=list(example_inputs), graph_name=f"without_{skipped}")
+        split = run_passes(gm, ctx, passes=tuple(p for p in PASSES if p.__name__ != skipped))
+        compiled, _ = compile_segments(split, ctx)
+        stage = lower_stage(ctx.graph_name, split, ctx, compiled, config, "emulate")
+        return serve_stage(stage, config, [*example_inputs, *stage.bound_inputs])
+
+    return backend
+
+
+def test_without_the_check_padding_leaks() -> None:
     """The check has teeth: skipping it makes a mean over tokens read padded rows."""
-    passes = tuple(p for p in manager.PASSES if p.__name__ != "check_padding_safety")
-    monkeypatch.setattr(manager, "PASSES", passes)
-    stage, compiled = _compile(ROW_MIXING["mean over tokens"][0])
+    torch._dynamo.reset()
+    stage = Stage(ROW_MIXING["mean over tokens"][0]).eval()
+    backend = _backend_without("check_padding_safety")
+    compiled = torch.compile(stage, backend=backend, dynamic=True, fullgraph=True)
     with torch.no_grad():
         x = torch.randn(5, H)
         assert not torch.allclose(compiled(x), stage(x), atol=1e-4)
