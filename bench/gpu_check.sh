@@ -59,7 +59,7 @@ GPU_TESTS=(
   tests/runtime/test_fused_copy.py
   tests/debug/test_debug_report.py
   tests/backends/test_warm_start_gpu.py
-  tests/test_layer_stamps.py
+  tests/tracing/test_layer_stamps.py
 )
 # Steps whose log is also kept as NAME.txt (docs/benchmarks.md names these files).
 TXT_STEPS=" lazy_capture fold_segments launches fused_copy pp_streams owned_outputs "
