@@ -71,8 +71,7 @@ def graph_path_call(runtime: StageRuntime, args: tuple[Any, ...], n: int) -> tup
     assert b is not None, f"{n} tokens take no bucket"
     env_n = {e: int(args[i]) for i, e in compiled.symbol_slots}
     env_n[compiled.token_symbol] = n
-    env_b = {**env_n, compiled.token_symbol: b}
-    return runtime.instances()[0].forward(args, env_n, env_b, n, b)
+    return runtime.instances()[0].forward(args, env_n, n, b)
 
 
 def with_program(runtime: StageRuntime, program: Program) -> StageRuntime:

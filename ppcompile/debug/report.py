@@ -21,8 +21,6 @@ import torch
 from ppcompile.debug.capture import capture_records
 from ppcompile.debug.memory import SegmentMemory, memory_section, segment_memory
 from ppcompile.observe.dumps import distributed_rank, emit_artifact, stage_dir, write_graph, write_text
-from ppcompile.runtime.codegen import graph_forward_source, replay_passes_args
-from ppcompile.runtime.executors import EXECUTORS
 from ppcompile.runtime.program import GraphStep
 from ppcompile.symbolic import example_value
 
@@ -85,12 +83,10 @@ def runtime_code(runtime: StageRuntime) -> str:
              "split_module.py; call_<i> is step i)", "",
              "# live path: graph_mode='none', above the capture cap, autograd on, a stage never graphed",
              str(getattr(runtime.live_forward, "source", "")).rstrip()]
-    executor = EXECUTORS.get(runtime.graph_mode)
-    if executor is not None:
-        pass_args = replay_passes_args(executor.binds_inputs, runtime.config.debug)
-        source, _ = graph_forward_source(runtime.program, executor.binds_inputs, pass_args)
-        parts += ["", f"# graph path ({runtime.graph_mode} executor; replay((i, b), ...) replays step i "
-                  "at bucket b)", source.rstrip()]
+    source = runtime.graph_path_source()
+    if source is not None:
+        parts += ["", f"# graph path ({runtime.graph_mode} executor; bound once per bucket b, replay_<i> "
+                  "replays step i at b)", source.rstrip()]
     return "\n".join(parts) + "\n"
 
 

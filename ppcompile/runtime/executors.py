@@ -29,9 +29,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import functools
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -41,16 +42,8 @@ from ppcompile.torch_internals import cuda_graph_capture, has_internal_overlap, 
 
 _T = TypeVar("_T")
 
-__all__ = [
-    "EXECUTORS",
-    "CudaGraphExecutor",
-    "EagerExecutor",
-    "EmulatedGraphExecutor",
-    "GraphExecutor",
-    "ReplayAddressError",
-    "make_executor",
-    "non_owning",
-]
+__all__ = ["EXECUTORS", "CudaGraphExecutor", "EagerExecutor", "EmulatedGraphExecutor", "ExecutorFactory",
+           "GraphExecutor", "ReplayAddressError", "make_executor", "non_owning"]
 
 SegmentFn = Callable[..., Sequence[Any]]
 Key = tuple[int, int]  # (segment index, bucket)
@@ -107,6 +100,10 @@ class GraphExecutor(abc.ABC):
     @abc.abstractmethod
     def replay(self, key: Key, args: Sequence[Any]) -> tuple[Any, ...]:
         """Replays ``key``; returns its outputs."""
+
+    def bound_replay(self, key: Key) -> Callable[[], Any]:
+        """``key``'s replay bound once, called with no arguments (an executor that binds inputs)."""
+        return functools.partial(self.replay, key, ())
 
     def capture_session(self) -> contextlib.AbstractContextManager[None]:
         """Wraps a run of captures (every bucket of a stage)."""
@@ -234,12 +231,18 @@ class EmulatedGraphExecutor(GraphExecutor):
     def replay(self, key: Key, args: Sequence[Any]) -> tuple[Any, ...]:
         if self.debug:
             self._check_addresses(key, args)
-        c = self._captured[key]
-        results = c.fn(*c.args)
-        for out, res in zip(c.outputs, results):
-            if isinstance(out, torch.Tensor) and out is not res:
-                out.copy_(res)
-        return c.outputs
+        return _rerun(self._captured[key])
+
+    def bound_replay(self, key: Key) -> Callable[[], Any]:
+        return functools.partial(_rerun, self._captured[key]) if not self.debug else super().bound_replay(key)
+
+
+def _rerun(c: _Captured) -> tuple[Any, ...]:
+    """An emulated replay: the segment on its captured inputs, its results copied into its outputs."""
+    for out, res in zip(c.outputs, c.fn(*c.args)):
+        if isinstance(out, torch.Tensor) and out is not res:
+            out.copy_(res)
+    return c.outputs
 
 
 class EagerExecutor(GraphExecutor):
@@ -248,10 +251,8 @@ class EagerExecutor(GraphExecutor):
     name = "eager"
     binds_inputs = False
 
-    def capture(
-        self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None,
-        strides: OutputStrides | None = None,
-    ) -> tuple[Any, ...]:
+    def capture(self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None,
+                strides: OutputStrides | None = None) -> tuple[Any, ...]:
         self._captured[key] = _Captured(fn, (), ())
         return self._settled(lambda: tuple(fn(*args)))
 
@@ -367,6 +368,9 @@ class CudaGraphExecutor(GraphExecutor):
         c.graph.replay()
         return c.outputs
 
+    def bound_replay(self, key: Key) -> Callable[[], Any]:
+        return self._captured[key].graph.replay if not self.debug else super().bound_replay(key)
+
 
 EXECUTORS: dict[str, type[GraphExecutor]] = {
     "cuda": CudaGraphExecutor,
@@ -374,6 +378,14 @@ EXECUTORS: dict[str, type[GraphExecutor]] = {
     "eager": EagerExecutor,
 }
 """The executor class of each resolved graph mode (``none`` has none: it captures nothing)."""
+
+
+class ExecutorFactory(Protocol):
+    """Makes each stage instance's executor as :func:`make_executor` (the default) does; a runtime takes
+    another (``StageRuntime(..., executor=f)``, ``runtime.use_executor(f)``), e.g. to inject faults."""
+
+    def __call__(self, mode: str, debug: bool, device: torch.device | None,
+                 agreement: Agreement) -> GraphExecutor: ...
 
 
 def make_executor(mode: str, debug: bool, device: torch.device | None = None,

@@ -1,30 +1,41 @@
-"""A stage instance's graph path, bound once: the generated per-call code (``codegen.py``) with the
-instance's slot tables, replay and fused copiers, and its instrumented variants.
+"""A stage instance's graph path: the generated code (``graph_codegen.py``) bound per bucket to the
+instance's slot table, one replay callable per graph step, its fused copiers and output ring, and its
+instrumented variants.
 
 The code a graph-path call runs depends on three facts fixed when an instance exists (whether its
 executor binds inputs, whether replays are handed their arguments, whether it has fused copiers), so
-the instance generates it once and binds it (:class:`GraphPath`); a call is then one method call::
+the instance generates it once (:class:`GraphPath`); at a bucket's first call the path binds it to what
+that bucket never changes, so a call is one dict lookup and a three-argument call::
 
-    outputs = state.forward(args, env_n, env_b, n, b)
+    outputs = state.forward(args, env_n, n, b)   # -> forward_for_b(args, env_n, n)
 
 Instrumentation (``StageRuntime.instrumented(wrap)``) never patches a live object: it binds a second
 path of the same instance whose parts are wrapped (:func:`instrumented_path`), used while the block is
-open. ``wrap(category, fn)`` sees graph replays (``"graph replays"``), break segments
-(``"break segments"``), copies of live inputs (``"copy-in"``), into bridges (``"bridge copies"``) and of
-outputs into their ring slot (``"output copies"``).
+open. ``wrap(category, fn)`` sees graph replays (``"graph replays"``: the replay callable of each
+(graph step, bucket), called with no arguments, or with the replay's arguments when the path passes
+them), break segments (``"break segments"``), copies of live inputs (``"copy-in"``), into bridges
+(``"bridge copies"``) and of outputs into their ring slot (``"output copies"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
 import torch
 
-from ppcompile.runtime.codegen import COPY_FUNCTIONS, GraphForward, make_graph_forward, replay_passes_args
+from ppcompile.runtime.executors import GraphExecutor
 from ppcompile.runtime.fences import FencedSlot, register_slot
+from ppcompile.runtime.graph_codegen import (
+    COPY_FUNCTIONS,
+    GraphForward,
+    GraphPathBinder,
+    make_graph_forward,
+    replay_passes_args,
+)
 from ppcompile.runtime.program import CopyPoint, Program
 
 __all__ = ["CATEGORIES", "GraphPath", "RingSlots", "Wrap", "bind_graph_path", "copy_category",
@@ -70,53 +81,71 @@ class RingSlots:
 
 
 class GraphPath:
-    """One instance's graph path: ``path(args, env_n, env_b, n, b)`` serves a call at bucket ``b``."""
+    """One instance's graph path: ``path(args, env_n, n, b)`` serves a call at bucket ``b``, through the
+    function bound for ``b`` at its first call (kept until the instance drops its table: :meth:`forget`)."""
 
-    __slots__ = ("_views", "code", "copiers", "fresh_table", "pass_args", "replay", "ring", "tables")
+    __slots__ = ("_bound", "code", "copiers", "executor", "fresh_table", "graph_steps", "pass_args", "ring",
+                 "tables", "wrap_replay")
 
-    def __init__(self, code: GraphForward, tables: Mapping[int, list[Any]], replay: Callable[..., Any],
-                 copiers: Sequence[Copier | None] | None, fresh_table: bool, pass_args: bool = False,
-                 ring: RingSlots | None = None) -> None:
-        self.code = code  # the generated function; its source is ``code.source``
+    def __init__(self, code: GraphPathBinder, graph_steps: Sequence[int], tables: Mapping[int, list[Any]],
+                 executor: GraphExecutor, copiers: Sequence[Copier | None] | None, pass_args: bool = False,
+                 ring: RingSlots | None = None, wrap_replay: Callable[..., Any] | None = None) -> None:
+        self.code = code  # the generated ``bind_graph_forward``; its source is ``code.source``
+        self.graph_steps = tuple(graph_steps)  # the step index of each replay ``code`` is bound with
         self.tables = tables  # bucket -> slot table (the instance's, filled as buckets are captured)
-        self.replay = replay
+        self.executor = executor
         self.copiers = copiers
-        self.fresh_table = fresh_table  # a non-binding executor writes each call's outputs into a copy
+        self.fresh_table = not executor.binds_inputs  # each call's outputs go into a copy of the table
         self.pass_args = pass_args  # replays are handed their arguments
         self.ring = ring
-        # Per bucket: its table and the copy views made for it, by sizes (codegen._row_views).
-        self._views: dict[int, tuple[list[Any], dict[tuple[int, ...], tuple[torch.Tensor, ...]]]] = {}
+        self.wrap_replay = wrap_replay  # instrumentation: wraps each replay callable
+        self._bound: dict[int, GraphForward] = {}
 
     def describe(self) -> str:
         """Which variant of the generated code this is, as ``generated_code()`` names it."""
         fused = ", fused copies" if self.copiers is not None else ""
         return f"binds inputs {not self.fresh_table}, passes args {self.pass_args}{fused}"
 
-    def __call__(self, args: Sequence[Any], env_n: Mapping[sympy.Symbol, int],
-                 env_b: Mapping[sympy.Symbol, int], n: int, b: int) -> tuple[Any, ...]:
-        static = self.tables[b]
-        ring = None if self.ring is None else self.ring.take()
-        if self.fresh_table:
-            return self.code(args, list(static), env_n, env_b, self.replay, n, b, self.copiers, ring)
-        cached = self._views.get(b)
-        if cached is None or cached[0] is not static:  # a bucket captured again has a new table
-            cached = self._views[b] = (static, {})
-        return self.code(args, static, env_n, env_b, self.replay, n, b, self.copiers, ring, cached[1])
+    def __call__(self, args: Sequence[Any], env_n: Mapping[sympy.Symbol, int], n: int,
+                 b: int) -> tuple[Any, ...]:
+        forward = self._bound.get(b)
+        if forward is None:
+            forward = self._bind(b)
+        return forward(args, env_n, n)
+
+    def _bind(self, b: int) -> GraphForward:
+        """Bucket ``b``'s function: its table, a replay per graph step, the copiers, the ring."""
+        executor = self.executor
+        replays = [executor.bound_replay((i, b)) if not self.pass_args
+                   else functools.partial(executor.replay, (i, b)) for i in self.graph_steps]
+        if self.wrap_replay is not None:
+            replays = [self.wrap_replay(r) for r in replays]
+        forward = self._bound[b] = self.code(b, self.tables[b], replays, self.copiers, self.ring, {})
+        return forward
+
+    def forget(self, bucket: int | None = None) -> None:
+        """Drops what was bound for ``bucket`` (every bucket: None); the instance calls it whenever a
+        table is made or dropped."""
+        if bucket is None:
+            self._bound.clear()
+        else:
+            self._bound.pop(bucket, None)
 
 
-def bind_graph_path(program: Program, stage: str, tables: Mapping[int, list[Any]], replay: Callable[..., Any],
-                    binds_inputs: bool, debug: bool, copiers: Sequence[Copier | None] | None,
-                    copies: Mapping[str, Copier] = COPY_FUNCTIONS,
-                    ring: RingSlots | None = None) -> GraphPath:
-    """Generates ``program``'s graph path for an instance and binds it (``copiers``: one per copy point,
-    or None for per-tensor torch ops; ``ring``: the instance's output ring, with ``output_ring``)."""
-    pass_args = replay_passes_args(binds_inputs, debug)
-    code = make_graph_forward(program, stage, binds_inputs, pass_args, copies, fused=copiers is not None)
-    return GraphPath(code, tables, replay, copiers, fresh_table=not binds_inputs, pass_args=pass_args,
-                     ring=ring)
+def bind_graph_path(program: Program, stage: str, token: sympy.Symbol, tables: Mapping[int, list[Any]],
+                    executor: GraphExecutor, debug: bool, copiers: Sequence[Copier | None] | None,
+                    copies: Mapping[str, Copier] = COPY_FUNCTIONS, ring: RingSlots | None = None,
+                    wrap_replay: Callable[..., Any] | None = None) -> GraphPath:
+    """Generates ``program``'s graph path for an instance (``copiers``: one per copy point, or None for
+    per-tensor torch ops; ``ring``: the instance's output ring, with ``output_ring``)."""
+    pass_args = replay_passes_args(executor.binds_inputs, debug)
+    code = make_graph_forward(program, stage, token, executor.binds_inputs, pass_args, copies,
+                              fused=copiers is not None)
+    graph_steps = [st.index for st in program.graph_steps]
+    return GraphPath(code, graph_steps, tables, executor, copiers, pass_args, ring, wrap_replay)
 
 
-def instrumented_path(path: GraphPath, program: Program, stage: str, wrap: Wrap, binds_inputs: bool,
+def instrumented_path(path: GraphPath, program: Program, stage: str, token: sympy.Symbol, wrap: Wrap,
                       debug: bool) -> GraphPath:
     """``path``'s instance with every part wrapped by ``wrap`` (module docstring)."""
     def wrapped(fn: Callable[..., Any] | None) -> Any:
@@ -128,6 +157,6 @@ def instrumented_path(path: GraphPath, program: Program, stage: str, wrap: Wrap,
     copiers = None if path.copiers is None else tuple(
         None if c is None else wrap(_point_category(point), c)
         for point, c in zip(program.copy_points, path.copiers))
-    return bind_graph_path(dataclasses.replace(program, steps=steps), stage, path.tables,
-                           wrap("graph replays", path.replay), binds_inputs, debug, copiers, copies,
-                           path.ring)
+    return bind_graph_path(dataclasses.replace(program, steps=steps), stage, token, path.tables,
+                           path.executor, debug, copiers, copies, path.ring,
+                           wrap_replay=lambda replay: wrap("graph replays", replay))

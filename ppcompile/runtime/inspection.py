@@ -14,10 +14,13 @@ from __future__ import annotations
 import sympy
 import torch
 
+from ppcompile.config import PPBreakableConfig
 from ppcompile.records import BreakReason, Segment
 from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.codegen import LiveForward
 from ppcompile.runtime.compiled_stage import CompiledStage
+from ppcompile.runtime.executors import EXECUTORS
+from ppcompile.runtime.graph_codegen import graph_forward_source, replay_passes_args
 from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.program import Program
 from ppcompile.runtime.sibling_graphs import StaticCalls
@@ -31,6 +34,7 @@ class StageInspection:
     the runtime serves, through the runtime's public API only)."""
 
     compiled: CompiledStage
+    config: PPBreakableConfig
     live_forward: LiveForward
     served_by: StaticCalls | None
     token_counts: TokenCounts
@@ -98,6 +102,15 @@ class StageInspection:
     def captured_buckets(self) -> dict[int, tuple[int, ...]]:
         """Per module instance (in order of first call), the buckets captured so far."""
         return {i: state.captured_buckets for i, state in enumerate(self.instances())}
+
+    def graph_path_source(self) -> str | None:
+        """The generated source of the graph path this stage's graph mode uses (``graph_codegen.py``), as
+        an instance would bind it, or None without a graph path (what the debug dumps show)."""
+        executor = EXECUTORS.get(self.graph_mode)
+        if executor is None or self.token_symbol is None:
+            return None
+        pass_args = replay_passes_args(executor.binds_inputs, self.config.debug)
+        return graph_forward_source(self.program, self.token_symbol, executor.binds_inputs, pass_args)[0]
 
     def generated_code(self) -> dict[str, str]:
         """The per-call code generated for this stage: the live path, and the graph paths built so far."""

@@ -1,15 +1,23 @@
-"""``StageInstance``: the captured state of one stage graph for one set of module-state tensors.
+"""``StageInstance``: the captured state of one stage graph for one set of module-state tensors, and
+everything a graph-path call does with it.
 
 Graphs read parameters and buffers in place and bake constant scalars, so they belong to the module
 instance they were captured with: a ``StageRuntime`` keeps one ``StageInstance`` per set of module-state
 tensors. An instance owns the static input buffers and bridges (allocated at the largest bucket, in the
-traced layout), the executor with its captured (segment, bucket) graphs, and a slot table per captured
-bucket (what each graph reads and writes at that bucket). The runtime decides when to capture and which
-bucket serves a call; the instance captures and holds.
+traced layout), the executor with its captured (segment, bucket) graphs (made by the runtime's executor
+factory), a slot table per captured bucket and the graph path bound to them (``graph_path.py``).
+
+The runtime decides (policy): which bucket serves a call, whether to run eagerly, when and in which
+order to capture, what a failure means for the group and the fall-off record. The instance does (its
+own call): it is claimed for one call at a time (``claim``: ``ConcurrentCallError``), copies inputs
+that alias its static memory, runs the graph path (``serve``), hands out owned copies and, in debug
+mode, tracks what it handed out (``stale_outputs.py``, ``end_call``); it captures and keeps the
+failure bookkeeping (``capture_all``: ``failed``; ``capture_lazily``: ``failed_buckets``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import types
@@ -19,10 +27,11 @@ from typing import Any
 import sympy
 import torch
 
+from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.runtime.capture_diagnosis import describe_node, failing_node
 from ppcompile.runtime.compiled_stage import CompiledStage
-from ppcompile.runtime.executors import GraphExecutor, make_executor
+from ppcompile.runtime.executors import ExecutorFactory, GraphExecutor, make_executor
 from ppcompile.runtime.fused_copy import RowCopier, make_row_copier
 from ppcompile.runtime.graph_path import GraphPath, RingSlots, Wrap, bind_graph_path, instrumented_path
 from ppcompile.runtime.group_agreement import LOCAL, Agreement, GroupCaptureError
@@ -30,8 +39,11 @@ from ppcompile.runtime.observer import CaptureMeter, CaptureObserver, CaptureRec
 from ppcompile.runtime.program import GraphStep, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import extent
+from ppcompile.runtime.validation import aliased_slots, storages_of
 
 __all__ = ["ConcurrentCallError", "StageInstance"]
+
+log = logging.getLogger(__name__)
 
 
 class ConcurrentCallError(RuntimeError):
@@ -39,40 +51,44 @@ class ConcurrentCallError(RuntimeError):
 
 
 class StageInstance:
-    """Static buffers and captured graphs for one set of module-state tensors (read-only to callers:
-    ``captured_buckets``, ``input_buffers``, ``bridge_buffers``, ``static_tensors()``, ``failed``)."""
+    """Static buffers, captured graphs and the graph-path call for one set of module-state tensors
+    (read-only to callers: ``captured_buckets``, ``input_buffers``, ``bridge_buffers``,
+    ``static_tensors()``, ``failed``, ``failed_buckets``, ``tracker``)."""
 
-    def __init__(self, compiled: CompiledStage, args: Sequence[Any], env_max: dict[sympy.Symbol, int],
-                 debug: bool, copy_kernel: str = "torch", runs: list[CaptureRecord] | None = None,
-                 agreement: Agreement = LOCAL) -> None:
+    def __init__(self, compiled: CompiledStage, config: PPBreakableConfig, args: Sequence[Any],
+                 env_max: dict[sympy.Symbol, int], runs: list[CaptureRecord] | None = None,
+                 agreement: Agreement = LOCAL, executor: ExecutorFactory = make_executor) -> None:
         program = compiled.program
         self._compiled = compiled
+        self._config = config
         # Strong references: the graphs read them (and bake scalars).
         self.module_state = tuple(args[i] for i in (*compiled.state_slots, *compiled.scalar_slots))
-        self.executor: GraphExecutor = make_executor(compiled.graph_mode, debug, self._device(), agreement)
+        self.executor: GraphExecutor = executor(compiled.graph_mode, config.debug, self._device(), agreement)
         # Static buffers by slot, in the plan's order (inputs, then bridges), in their traced layout; a
         # bridge that shares an earlier one's buffer is that buffer.
         owned = {s: plan.allocate(env_max) for s, plan in program.buffers.items() if plan.shares_with is None}
         self._buffers = {s: owned[s if plan.shares_with is None else plan.shares_with]
                          for s, plan in program.buffers.items()}
         # One fused copier per copy point (``Program.copy_points``), or None: per-tensor torch ops.
-        self.copiers: tuple[Callable[..., None] | None, ...] | None = self._copiers(copy_kernel)
+        self.copiers: tuple[Callable[..., None] | None, ...] | None = self._copiers(config.copy_kernel)
         self.tables: dict[int, list[Any]] = {}  # bucket -> slot table
-        # The graph path, generated and bound once (``graph_path.py``); instrumented variants by hook.
-        self._debug = debug
+        # The graph path, generated once and bound per bucket (``graph_path.py``); instrumented variants.
         self.ring = self._ring(env_max)
-        self.forward: GraphPath = bind_graph_path(program, compiled.name, self.tables, self.executor.replay,
-                                                  self.executor.binds_inputs, debug, self.copiers,
-                                                  ring=self.ring)
+        assert compiled.token_symbol is not None, "a stage without a token count has no graph path"
+        self.forward: GraphPath = bind_graph_path(program, compiled.name, compiled.token_symbol, self.tables,
+                                                  self.executor, config.debug, self.copiers, ring=self.ring)
         self._instrumented: dict[int, tuple[Wrap, GraphPath]] = {}
         self.failed: str | None = None  # capture="all": graphs are off for this instance
         self.failed_buckets: dict[int, str] = {}  # capture="lazy": buckets that run eagerly
         self.failed_at: int | None = None  # the bucket the last capture run failed at
         # Held for the duration of a graph-path call: a second concurrent entry raises, never waits.
-        self.lock = threading.Lock()
-        self.owner = 0  # thread ident of the call holding ``lock``
-        self.storages: frozenset[int] | None = None  # static memory, for the aliased-input check
-        self.tracker: OutputTracker | None = None  # debug: outputs handed out, expired at the next call
+        self._lock = threading.Lock()
+        self._owner = 0  # thread ident of the call holding ``_lock``
+        self._storages: frozenset[int] | None = None  # static memory, for the aliased-input check
+        self._tracker: OutputTracker | None = None  # debug: outputs handed out, expired at the next call
+        self._own_outputs = config.owned_outputs or config.debug
+        self._track_outputs = config.debug and not config.owned_outputs
+        self._warned_aliased = False
         # Capture runs are appended here (the runtime's list, oldest first).
         self.runs: list[CaptureRecord] = [] if runs is None else runs
         # The TP group's ranks capture alike: budget ends and failures are agreed (group_agreement.py).
@@ -81,22 +97,83 @@ class StageInstance:
         self._static_outputs = frozenset(s for st in program.graph_steps for s in st.live_views)
 
     # ----------------------------------------------------------------------------------- a call
-    def concurrent_call_error(self, stage: str) -> ConcurrentCallError:
-        """The error for a call that found ``lock`` held (``stage``: the stage graph's name)."""
-        if self.owner == threading.get_ident():
+    def claim(self, stage: str) -> StageInstance:
+        """Takes this instance for one call, ``with state.claim(stage): ...`` (``stage``: the stage
+        graph's name, for the error): a second entry while a call holds it raises
+        :class:`ConcurrentCallError`, never waits."""
+        if not self._lock.acquire(blocking=False):
+            raise self._concurrent_call_error(stage)
+        self._owner = threading.get_ident()
+        return self
+
+    def __enter__(self) -> StageInstance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def _concurrent_call_error(self, stage: str) -> ConcurrentCallError:
+        if self._owner == threading.get_ident():
             how = "re-entered from the thread that is running it (a break op calling its own stage?)"
         else:
-            how = f"called from thread {threading.get_ident()} while thread {self.owner} is running it"
+            how = f"called from thread {threading.get_ident()} while thread {self._owner} is running it"
         return ConcurrentCallError(
             f"pp_breakable: {stage} was {how}. A compiled stage instance serves one call at a time "
             "(its static buffers hold that call's data): use one compiled stage per thread, or serialize "
             "calls with a lock"
         )
 
-    def own(self, outputs: tuple[Any, ...], copied: list[int]) -> tuple[Any, ...]:
+    def serve(self, args: tuple[Any, ...], env_n: dict[sympy.Symbol, int], n: int, b: int,
+              wrap: Wrap | None = None) -> tuple[Any, ...]:
+        """A claimed call of ``n`` live tokens at captured bucket ``b`` on the graph path (its parts
+        wrapped by ``wrap``, if given): inputs that share this instance's static memory are copied
+        first, outputs in static memory are handed out as copies (``owned_outputs``; tracked in debug)."""
+        if self._storages is None:
+            self._storages = storages_of(self.static_tensors())
+        aliased = aliased_slots(args, self._compiled.tensor_slots, self._storages)
+        if aliased:
+            args = self._copy_aliased(args, aliased)
+        forward = self.forward if wrap is None else self.instrumented(wrap)
+        outputs = forward(args, env_n, n, b)
+        counters.replays += 1
+        counters.replays_by_bucket[b] += 1
+        if not self._own_outputs:
+            return outputs
+        copied: list[int] = []
+        outputs = self._own(outputs, copied)
+        if self._track_outputs and copied:
+            if self._tracker is None:
+                self._tracker = OutputTracker(self._compiled.name, self._config.output_slots)
+            self._tracker.hand_out((i, outputs[i]) for i in copied)
+        return outputs
+
+    def end_call(self) -> None:
+        """Debug mode: a call of this module instance ended (served any way, or failed); the outputs it
+        handed out a lifetime ago expire (``stale_outputs.py``)."""
+        if self._tracker is not None:
+            self._tracker.end_call()
+
+    @property
+    def tracker(self) -> OutputTracker | None:
+        """Debug mode: the outputs handed out and not yet expired (None before the first)."""
+        return self._tracker
+
+    def _copy_aliased(self, args: tuple[Any, ...], slots: list[int]) -> tuple[Any, ...]:
+        """Inputs that share memory with this instance's static buffers (an output of the previous call
+        fed back in) are copied first: the call overwrites that memory while it may still read them."""
+        if not self._warned_aliased:
+            self._warned_aliased = True
+            log.info("%s: input slot(s) %s share memory with the stage's own static buffers (an output of "
+                     "an earlier call?); such inputs are copied before the call", self._compiled.name, slots)
+        copied = list(args)
+        for s in slots:
+            copied[s] = args[s].clone()
+        return tuple(copied)
+
+    def _own(self, outputs: tuple[Any, ...], copied: list[int]) -> tuple[Any, ...]:
         """``outputs`` with copies of those in this instance's static memory (graph outputs, and anything
         whose storage is static, like a break op's view of one); their indices go to ``copied``."""
-        static = self.storages or frozenset()
+        static = self._storages or frozenset()
         owned = list(outputs)
         for i, r in enumerate(self._compiled.program.outputs):
             value = owned[i]
@@ -174,8 +251,9 @@ class StageInstance:
         cached = self._instrumented.get(id(wrap))
         if cached is None or cached[0] is not wrap:
             compiled = self._compiled
-            path = instrumented_path(self.forward, compiled.program, compiled.name, wrap,
-                                     self.executor.binds_inputs, self._debug)
+            assert compiled.token_symbol is not None
+            path = instrumented_path(self.forward, compiled.program, compiled.name, compiled.token_symbol,
+                                     wrap, self._config.debug)
             cached = self._instrumented[id(wrap)] = (wrap, path)
         return cached[1]
 
@@ -185,6 +263,40 @@ class StageInstance:
         for plan in self._compiled.program.buffers.values():
             return plan.spec.device
         return next((t.device for t in self.module_state if isinstance(t, torch.Tensor)), None)
+
+    def _forget(self, bucket: int | None = None) -> None:
+        """A table was made or dropped: every graph path binds ``bucket`` (None: every bucket) again."""
+        for path in (self.forward, *(p for _, p in self._instrumented.values())):
+            path.forget(bucket)
+        self._storages = None  # static memory changed: the aliased-input check recomputes it
+
+    def capture_all(self, args: Sequence[Any], env: dict[sympy.Symbol, int], buckets: Sequence[int],
+                    observer: CaptureObserver) -> None:
+        """``capture="all"``: every one of ``buckets``. A failure turns graphs off for this instance
+        (``failed`` says why; every graph is released) and raises."""
+        try:
+            self.capture(args, env, buckets, observer)
+        except BaseException as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            self.tables.clear()
+            self._forget()
+            self.executor.release()
+            raise
+
+    def capture_lazily(self, args: Sequence[Any], env: dict[sympy.Symbol, int], order: Sequence[int],
+                       observer: CaptureObserver, budget_s: float | None) -> tuple[int, str] | None:
+        """``capture="lazy"``: ``order``'s buckets (its first always, the rest while ``budget_s`` lasts).
+        A failure marks its bucket failed (``failed_buckets``; its graphs are dropped) and is returned as
+        ``(bucket, why)``; the buckets captured before it keep their graphs. None: no failure."""
+        try:
+            self.capture(args, env, order, observer, budget_s)
+        except Exception as e:
+            failed = order[0] if self.failed_at is None else self.failed_at  # a budget may go on past it
+            self.failed_buckets[failed] = f"{type(e).__name__}: {e}"
+            self.executor.forget(failed)
+            self._forget(failed)
+            return failed, self.failed_buckets[failed]
+        return None
 
     def capture(self, args: Sequence[Any], env: dict[sympy.Symbol, int], buckets: Sequence[int],
                 observer: CaptureObserver, budget_s: float | None = None) -> CaptureRecord:
@@ -208,7 +320,7 @@ class StageInstance:
                     self.failed_at = b
                     self.tables[b] = self._capture_bucket(args, env, b, graph_steps)
                     self.failed_at = None
-                    self.storages = None  # static memory grew: the aliased-input check recomputes it
+                    self._forget(b)
                     run.bucket_done(meter.bucket_done(b, self.tables[b]))
         except BaseException as e:
             record = meter.record(e)

@@ -13,9 +13,13 @@ Per call with ``n`` live tokens:
    ``owned_outputs``), or with ``owned_outputs=False`` views valid until the next call (with
    ``debug=True``, copies that expire then, ``stale_outputs.py``).
 
-One call at a time per module instance (``ConcurrentCallError``); what each failure leaves behind is in
-docs/reliability.md. Graphs and static buffers belong to the module state they read: one
-``StageInstance`` per set of parameter tensors, so two module instances never share graphs.
+The runtime keeps the policy: which bucket, the eager fallbacks, when and in which order to capture,
+the group's agreement, fall-offs. Graphs and static buffers belong to the module state they read: one
+``StageInstance`` per set of parameter tensors (``instance.py``), which owns its call (one at a time,
+``ConcurrentCallError``; aliased inputs, owned outputs, stale-output tracking) and its capture
+bookkeeping; the runtime reads its state and assigns none. Its executors come from the runtime's
+executor factory (``executor=`` / :meth:`StageRuntime.use_executor`; default
+``executors.make_executor``). What each failure leaves behind is in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ppcompile.errors import add_note
 from ppcompile.planning.traffic import TokenHistogram, process_histogram
 from ppcompile.runtime.codegen import make_live_forward
 from ppcompile.runtime.compiled_stage import CompiledStage
+from ppcompile.runtime.executors import ExecutorFactory, make_executor
 from ppcompile.runtime.fall_offs import (
     BUCKET_CAPTURE_FAILED,
     CAPTURE_FAILED,
@@ -49,9 +54,8 @@ from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import ConcurrentCallError, StageInstance
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureRecord
 from ppcompile.runtime.sibling_graphs import StaticCalls
-from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.token_counts import TokenCounts
-from ppcompile.runtime.validation import InputMismatchError, aliased_slots, check_inputs, storages_of
+from ppcompile.runtime.validation import InputMismatchError, check_inputs
 
 __all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_GRAPHS",
            "RECOMPILE_LIMIT", "ConcurrentCallError", "StageRuntime"]
@@ -65,12 +69,14 @@ class StageRuntime(StageInspection):
     ``inspection.py``)."""
 
     def __init__(self, compiled: CompiledStage, config: PPBreakableConfig,
-                 observer: CaptureObserver | None = None) -> None:
+                 observer: CaptureObserver | None = None, executor: ExecutorFactory | None = None) -> None:
         """``compiled``: everything the compile side decided (frozen); ``observer``: told about each capture
-        run (``runtime/observer.py``; the backend wires up the debug recorder)."""
+        run (``runtime/observer.py``; the backend wires up the debug recorder); ``executor``: makes each
+        module instance's executor (default ``executors.make_executor``; see :meth:`use_executor`)."""
         self.compiled = compiled
         self.config = config
         self._observer = observer or NO_OBSERVER
+        self._executor: ExecutorFactory = executor or make_executor
         self._states: dict[tuple[Any, ...], StageInstance] = {}
         self._capture_runs: list[CaptureRecord] = []  # every instance's capture runs, oldest first
         self.live_forward = make_live_forward(compiled.program, compiled.name, compiled.live_checks)
@@ -80,8 +86,6 @@ class StageRuntime(StageInspection):
         self._token_source = self.token_source()
         self._capture_lock = threading.RLock()
         self._debug = config.debug
-        self._own_outputs = config.owned_outputs or config.debug
-        self._track_outputs = config.debug and not config.owned_outputs
         self._probe_inputs = bool(compiled.record.input_changes)  # _probe: until a first call succeeds
         # A static stage graph's calls, handed to a symbolic one of its module (sibling_graphs.py).
         self.served_by: StaticCalls | None = None
@@ -107,6 +111,16 @@ class StageRuntime(StageInspection):
         """Every capture run so far (of any module instance), oldest first: time and memory per bucket
         (``observer.CaptureRecord``)."""
         return list(self._capture_runs)
+
+    def use_executor(self, factory: ExecutorFactory) -> None:
+        """Makes the executor of every module instance this runtime captures from now on with
+        ``factory(mode, debug, device, agreement)`` (``executors.ExecutorFactory``: a subclass of the
+        default executor that injects faults, say). Only before the first instance exists: for a runtime
+        the backend builds, from an ``observe.hooks.StageHooks(built=...)`` hook."""
+        if self._states:
+            raise RuntimeError(f"pp_breakable: {self.name} already serves module instances; set its "
+                               "executor before the first call that captures")
+        self._executor = factory
 
     @contextlib.contextmanager
     def instrumented(self, wrap: Wrap) -> Iterator[None]:
@@ -193,15 +207,10 @@ class StageRuntime(StageInspection):
         state = self._state_for(args)
         if state.failed is not None:
             return self.run_eager(args)  # the fall-off was noted when the capture failed
-        if not state.lock.acquire(blocking=False):
-            raise state.concurrent_call_error(self.name)
-        state.owner = threading.get_ident()
-        try:
+        with state.claim(self.name):
             if b not in state.tables and not self._capture_lazily(state, args, b):
                 return self.run_eager(args)
-            return self._run_graphs(state, args, env_n, n, b)
-        finally:
-            state.lock.release()
+            return state.serve(args, env_n, n, b, self._wrap)
 
     def _probe(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The first call of a recompile for inputs of another structure (``record.input_changes``: most
@@ -227,49 +236,14 @@ class StageRuntime(StageInspection):
             if self.eager_reason is None:
                 with contextlib.suppress(Exception):  # args so bad that they have no state key
                     state = self._states.get(self._state_key(args))
-            if state is not None and state.tracker is not None:
-                state.tracker.end_call()
+            if state is not None:
+                state.end_call()
 
     def run_eager(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Every segment on live tensors: no static buffers, no graphs (``codegen.py``)."""
         counters.eager_runs += 1
         env = self._env(args, self.num_tokens(args)) if self.token_symbol is not None else self._env(args, 0)
         return self.live_forward(args, env)
-
-    def _run_graphs(self, state: StageInstance, args: tuple[Any, ...], env_n: dict[sympy.Symbol, int], n: int,
-                    b: int) -> tuple[Any, ...]:
-        if state.storages is None:
-            state.storages = storages_of(state.static_tensors())
-        aliased = aliased_slots(args, self.compiled.tensor_slots, state.storages)
-        if aliased:
-            args = self._copy_aliased(args, aliased)
-        env_b = dict(env_n)
-        env_b[self.token_symbol] = b
-        forward = state.forward if self._wrap is None else state.instrumented(self._wrap)
-        outputs = forward(args, env_n, env_b, n, b)
-        counters.replays += 1
-        counters.replays_by_bucket[b] += 1
-        if not self._own_outputs:
-            return outputs
-        copied: list[int] = []
-        outputs = state.own(outputs, copied)
-        if self._track_outputs and copied:
-            if state.tracker is None:
-                state.tracker = OutputTracker(self.name, self.config.output_slots)
-            state.tracker.hand_out((i, outputs[i]) for i in copied)
-        return outputs
-
-    def _copy_aliased(self, args: tuple[Any, ...], slots: list[int]) -> tuple[Any, ...]:
-        """Inputs that share memory with this instance's static buffers (an output of the previous call
-        fed back in) are copied first: the call overwrites that memory while it may still read them."""
-        if "aliased" not in self._warned:
-            self._warned.add("aliased")
-            log.info("%s: input slot(s) %s share memory with the stage's own static buffers (an output of "
-                     "an earlier call?); such inputs are copied before the call", self.name, slots)
-        copied = list(args)
-        for s in slots:
-            copied[s] = args[s].clone()
-        return tuple(copied)
 
     # ----------------------------------------------------------------------------------- capture
     def _state_key(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -344,17 +318,11 @@ class StageRuntime(StageInspection):
         n = self.num_tokens(args)
         env = self._env(args, n)
         env_max = {**env, self.token_symbol: max(self.plan.sizes)}
-        state = StageInstance(self.compiled, args, env_max, self.config.debug, self.config.copy_kernel,
-                              runs=self._capture_runs, agreement=self._agreement)
+        state = StageInstance(self.compiled, self.config, args, env_max, runs=self._capture_runs,
+                              agreement=self._agreement, executor=self._executor)
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
         if self.config.capture == "all":
-            try:
-                state.capture(args, env, sorted(self.plan.sizes, reverse=True), self._observer)
-            except BaseException as e:
-                state.failed = f"{type(e).__name__}: {e}"
-                state.tables.clear()
-                state.executor.release()
-                raise
+            state.capture_all(args, env, sorted(self.plan.sizes, reverse=True), self._observer)
         return state
 
     def _capture_lazily(self, state: StageInstance, args: tuple[Any, ...], b: int) -> bool:
@@ -371,20 +339,17 @@ class StageRuntime(StageInspection):
         self._agreement.check_same("the token count, bucket and options of a lazy capture",
                                    [n, b, self._options_key, len(order)], self.name)
         order = self._agreement.leader(order)  # the process's traffic may differ between ranks
-        try:
-            state.capture(args, self._env(args, n), order, self._observer, budget)
-        except Exception as e:
-            failed = b if state.failed_at is None else state.failed_at  # a budget may go on past b
-            state.failed_buckets[failed] = f"{type(e).__name__}: {e}"
-            state.executor.forget(failed)
-            what = (f"capture of bucket {failed} failed, so the forwards it would serve run eagerly (the "
-                    f"other buckets keep their graphs): {state.failed_buckets[failed]}")
-            if BUCKET_CAPTURE_FAILED in self._fall_offs:
-                log.info("%s: %s", self.name, what)
-            self.note_fall_off(BUCKET_CAPTURE_FAILED, f"{what}; fix the op the error names, or make it a "
-                               "break (split_ops)")
-            return b in state.tables
-        return True
+        failure = state.capture_lazily(args, self._env(args, n), order, self._observer, budget)
+        if failure is None:
+            return True
+        failed, why = failure
+        what = (f"capture of bucket {failed} failed, so the forwards it would serve run eagerly (the "
+                f"other buckets keep their graphs): {why}")
+        if BUCKET_CAPTURE_FAILED in self._fall_offs:
+            log.info("%s: %s", self.name, what)
+        self.note_fall_off(BUCKET_CAPTURE_FAILED, f"{what}; fix the op the error names, or make it a "
+                           "break (split_ops)")
+        return b in state.tables
 
     def bucket_values(self) -> list[int]:
         """The buckets in the order a capture budget spends on them: by the live tokens the process has

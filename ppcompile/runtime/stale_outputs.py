@@ -1,9 +1,9 @@
 """Debug-mode detection of stale outputs (DESIGN invariant 4).
 
 With ``owned_outputs=False`` (or a ring, ``output_slots``), outputs of a graph-path call are views into
-static buffers that a later call of the same compiled stage overwrites. With ``debug=True`` the runtime
-hands out copies instead, and when the next call of
-that module instance ends it *expires* the previous ones:
+static buffers that a later call of the same compiled stage overwrites. With ``debug=True`` the stage
+instance serving the call (``instance.StageInstance``, which owns one :class:`OutputTracker`) hands out
+copies instead, and when the next call of that module instance ends it *expires* the previous ones:
 
 * the handed-out tensor object becomes a :class:`StaleOutput`, whose every use (an op, ``repr``,
   ``.shape``, passing it to another compiled stage) raises :class:`StaleOutputError` naming the output

@@ -4,13 +4,15 @@ padding/buffer bug; ``debug=True`` checks at every replay that graphs read the t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from debug_helpers import compile_stage, read_report
+from runtime_helpers import executors_made_by
 
 import ppcompile
 from ppcompile.runtime import executors, static_buffers
@@ -48,15 +50,27 @@ def test_eager_graph_mode_is_the_static_buffer_path_without_graphs(tmp_path: Pat
     assert report["graph_mode"] == "eager" and report["static_buffers"]  # same buffers as a graph mode
 
 
-def test_a_graph_bug_shows_with_graphs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+class StaleReplays(executors.EmulatedGraphExecutor):
+    """A graph bug: replays "forget" to run, leaving the outputs of the capture run."""
+
+    def replay(self, key: Any, args: Sequence[Any]) -> Any:
+        return self._captured[key].outputs
+
+    def bound_replay(self, key: Any) -> Callable[[], Any]:
+        return functools.partial(self.replay, key, ())
+
+
+def _stale_replays(mode: str, debug: bool, device: Any, agreement: Any) -> executors.GraphExecutor:
+    if mode == "emulate":
+        return StaleReplays(debug, agreement)
+    return executors.make_executor(mode, debug, device, agreement)
+
+
+def test_a_graph_bug_shows_with_graphs_only() -> None:
     """A graph that replays stale results: wrong under ``emulate``, right under ``eager``."""
-
-    def stale_replay(self: executors.EmulatedGraphExecutor, key: Any, args: Sequence[Any]) -> Any:
-        return self._captured[key].outputs  # "forgets" to run: the outputs of the capture run
-
-    monkeypatch.setattr(executors.EmulatedGraphExecutor, "replay", stale_replay)
-    assert _verdicts("eager") == [True, True, True]
-    assert _verdicts("emulate") == [False, False, False]
+    with executors_made_by(_stale_replays):  # the runtimes these calls build take the buggy executor
+        assert _verdicts("eager") == [True, True, True]
+        assert _verdicts("emulate") == [False, False, False]
 
 
 def test_a_buffer_bug_shows_in_both_modes() -> None:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 from mixer_stage import mix_rows, register_mixer
+from runtime_helpers import symbolic_runtime
 from torch import nn
 
-import ppcompile
 from ppcompile.debug import build_report
 from ppcompile.debug.capture import format_bytes
 from ppcompile.debug.html import render_html
@@ -112,10 +112,6 @@ def _check_against_eager(compiled: Any, m: nn.Module) -> None:
         torch.testing.assert_close(compiled(x), m(x))
 
 
-def _runtime() -> StageRuntime:
-    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
-
-
 def _owners(rt: StageRuntime) -> list[int | None]:
     return [p.shares_with for p in rt.program.buffers.values() if p.role == "bridge"]
 
@@ -123,7 +119,7 @@ def _owners(rt: StageRuntime) -> list[int | None]:
 def test_bridges_of_a_chain_of_layers_share_one_buffer_and_match_eager() -> None:
     m = Chain(4)
     _check_against_eager(_compile(m), m)
-    rt = _runtime()
+    rt = symbolic_runtime(m)
     first = next(iter(rt.program.bridge_buffers))
     assert _owners(rt) == [None, first, first, first]
     (instance,) = rt.instances()
@@ -144,7 +140,7 @@ def test_bridges_of_a_chain_of_layers_share_one_buffer_and_match_eager() -> None
 def test_bridges_live_at_once_keep_their_own_buffers() -> None:
     m = LongLived()
     _check_against_eager(_compile(m), m)
-    rt = _runtime()
+    rt = symbolic_runtime(m)
     assert _owners(rt) == [None, None]
     (instance,) = rt.instances()
     assert len({b.data_ptr() for b in instance.bridge_buffers.values()}) == 2
@@ -165,7 +161,7 @@ def test_sharing_the_buffer_of_a_bridge_still_live_gives_wrong_answers_under_emu
     compiled = _compile(m)
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(0))
     assert not torch.allclose(compiled(x), m(x))
-    assert _owners(_runtime())[1] is not None
+    assert _owners(symbolic_runtime(m))[1] is not None
 
 
 def test_integer_bridges_keep_their_own_buffers() -> None:
@@ -173,6 +169,6 @@ def test_integer_bridges_keep_their_own_buffers() -> None:
     for this one's readers, so only floating-point bridges share."""
     m = Picks()
     _check_against_eager(_compile(m), m)
-    rt = _runtime()
+    rt = symbolic_runtime(m)
     assert [b.dtype for b in rt.program.bridge_buffers.values()] == [torch.long, torch.long]
     assert _owners(rt) == [None, None]

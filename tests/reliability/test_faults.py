@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 from reliability_helpers import HOOK, SIZES, Stage, check, compile_stage, inputs, only_state, runtime
+from runtime_helpers import CaptureHooks, fail_at_bucket
 
 from ppcompile import counters
-from ppcompile.runtime.executors import EmulatedGraphExecutor
+from ppcompile.runtime.executors import Key
 
 
 class OpFailure(RuntimeError):
@@ -68,24 +69,12 @@ def test_a_break_op_that_raises_on_the_eager_path_gets_a_note() -> None:
 
 
 def test_a_failed_capture_raises_with_context_then_runs_eagerly_with_a_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    real = EmulatedGraphExecutor.capture
-
-    def fail_at_bucket_8(
-
-        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
-        strides: Any = None,
-
-    ) -> Any:
-        if key[1] == 8:
-            raise MemoryError("no room for bucket 8 (test)")
-        return real(self, key, fn, args, shapes, strides)
-
-    monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail_at_bucket_8)
     m = Stage()
     c = compile_stage(m)
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ppcompile"):
+    hooks = CaptureHooks(on_capture=fail_at_bucket(8, MemoryError, "no room for bucket 8 (test)"))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ppcompile"), hooks.injected():
         with pytest.raises(RuntimeError, match=r"segment submod_0 .* bucket 8 failed: MemoryError") as info:
             c(*inputs(5))
         assert "graphs are off" in _notes(info.value)
@@ -102,26 +91,16 @@ def test_a_failed_capture_raises_with_context_then_runs_eagerly_with_a_warning(
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
 def test_an_interrupted_capture_keeps_nothing_and_the_next_call_captures_again(
-    monkeypatch: pytest.MonkeyPatch, interrupt: type[BaseException]
+    interrupt: type[BaseException],
 ) -> None:
-    real = EmulatedGraphExecutor.capture
-    calls = {"n": 0}
-
-    def interrupt_once(
-
-        self: EmulatedGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
-        strides: Any = None,
-
-    ) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:  # after bucket 16 was captured
+    def interrupt_once(key: Key) -> None:
+        if len(hooks.keys) == 3:  # after bucket 16 was captured
             raise interrupt()
-        return real(self, key, fn, args, shapes, strides)
 
-    monkeypatch.setattr(EmulatedGraphExecutor, "capture", interrupt_once)
+    hooks = CaptureHooks(on_capture=interrupt_once)
     m = Stage()
     c = compile_stage(m)
-    with torch.no_grad():
+    with torch.no_grad(), hooks.injected():
         with pytest.raises(interrupt) as info:
             c(*inputs(5))
         assert "interrupted" in _notes(info.value) and "captures again" in _notes(info.value)
@@ -140,7 +119,7 @@ def test_an_interrupt_inside_a_graph_segment_during_replay() -> None:
     c = compile_stage(m)
 
     def interrupting(category: str, fn: Any) -> Any:
-        def interrupted(key: tuple[int, int], args: Any) -> Any:
+        def interrupted(*args: Any) -> Any:  # a bound replay of one graph step at one bucket
             raise KeyboardInterrupt
 
         return interrupted if category == "graph replays" else fn

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 from reliability_helpers import Stage, assert_matches, compile_stage, inputs, no_guards, runtime
+from runtime_helpers import CaptureHooks
 
 from ppcompile import counters
-from ppcompile.runtime.executors import CudaGraphExecutor
 from ppcompile.runtime.stale_outputs import StaleOutputError
 from ppcompile.runtime.validation import InputMismatchError
 
@@ -58,14 +58,10 @@ def test_cuda_debug_stale_output_raises() -> None:
 
 
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
-def test_cuda_a_fault_while_the_stream_is_capturing(monkeypatch: pytest.MonkeyPatch, exc: type) -> None:
-    real = CudaGraphExecutor.capture
+def test_cuda_a_fault_while_the_stream_is_capturing(exc: type) -> None:
     fired: list[bool] = []
 
-    def capture(
-        self: CudaGraphExecutor, key: tuple[int, int], fn: Any, args: Any, shapes: Any = None,
-        strides: Any = None,
-    ) -> Any:
+    def faulting(key: tuple[int, int], fn: Any) -> Any:
         def body(*a: Any) -> Any:
             out = fn(*a)
             if torch.cuda.is_current_stream_capturing() and not fired:
@@ -73,12 +69,12 @@ def test_cuda_a_fault_while_the_stream_is_capturing(monkeypatch: pytest.MonkeyPa
                 raise exc("fault during stream capture (test)")
             return out
 
-        return real(self, key, body, args, shapes, strides)
+        return body
 
-    monkeypatch.setattr(CudaGraphExecutor, "capture", capture)
     m = Stage().cuda()
     c = compile_stage(m, graph_mode="cuda")
-    with torch.no_grad():
+    hooks = CaptureHooks(segment=faulting)  # the CUDA executor captures ``body`` instead of the segment
+    with torch.no_grad(), hooks.injected():
         with pytest.raises(exc):
             c(*_cuda_inputs(5))
         torch.cuda.synchronize()  # the device and the stream are usable again

@@ -12,10 +12,12 @@ import sympy
 import torch
 from mixer_stage import MixerStage, mix_rows, register_mixer
 from plan_variants import RecordedStage, compile_recorded, with_program
+from runtime_helpers import symbolic_runtime
 
 import ppcompile
 from ppcompile.records import Segment
-from ppcompile.runtime.codegen import graph_forward_source, make_graph_forward, make_live_forward
+from ppcompile.runtime.codegen import make_live_forward
+from ppcompile.runtime.graph_codegen import graph_forward_source, make_graph_forward
 from ppcompile.runtime.layout_checks import LayoutMismatchError, checked_values
 from ppcompile.runtime.program import BreakStep, GraphStep, Program, Ref
 from ppcompile.runtime.stage_runtime import StageRuntime
@@ -119,13 +121,8 @@ def _check(c: Any, m: torch.nn.Module, x: torch.Tensor, r: torch.Tensor) -> None
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _runtime() -> Any:
-    """The newest runtime of a symbolic stage graph (a 1-token call adds a static one)."""
-    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
-
-
-def _source() -> str:
-    return str(_runtime().generated_code()["live"])
+def _source(m: torch.nn.Module) -> str:
+    return str(symbolic_runtime(m).generated_code()["live"])
 
 
 def test_generated_forward_is_straight_line_and_matches_eager() -> None:
@@ -134,8 +131,8 @@ def test_generated_forward_is_straight_line_and_matches_eager() -> None:
     with torch.no_grad():
         for i, n in enumerate([5, 16, 1, 17]):
             _check(c, m, *_inputs(n, seed=i))
-    runtime = _runtime()
-    source = _source()
+    runtime = symbolic_runtime(m)
+    source = _source(m)
     assert "for " not in source and "while " not in source
     for step in runtime.program.steps:  # each segment called once, in program order
         assert source.count(f"call_{step.index}(") == 1
@@ -151,11 +148,11 @@ def test_segments_keep_their_asserts_when_asked_and_then_nothing_is_checked_twic
     c = _compile(m, inductor_config={"size_asserts": True})
     with torch.no_grad():
         _check(c, m, *_inputs(6))
-    assert "layouts" not in _source()
+    assert "layouts" not in _source(m)
     c = _compile(MixerStage(torch.ops.pptest_live.mixer, H), segment_compiler="eager")
     with torch.no_grad():
         c(*_inputs(6))
-    assert "layouts" not in _source()
+    assert "layouts" not in _source(m)
 
 
 def test_a_break_output_in_another_layout_than_traced_is_copied_into_the_traced_one(
@@ -214,7 +211,7 @@ def test_inductor_segments_are_called_without_dynamos_disable_wrapper() -> None:
     c = _compile(m)
     with torch.no_grad():
         _check(c, m, *_inputs(6))
-    graph_steps = [st for st in _runtime().program.steps if st.segment.is_graph]
+    graph_steps = [st for st in symbolic_runtime(m).program.steps if st.segment.is_graph]
     multi = [st for st in graph_steps if not st.single_output]
     assert multi, "the stage has a graph segment with several outputs"
     for st in multi:  # the runtime itself is called through Dynamo's disable wrapper
@@ -230,20 +227,29 @@ def test_graph_path_source_replays_each_graph_segment_once_in_order(
     with torch.no_grad():
         for i, n in enumerate([5, 8, 9, 17]):  # a bucket, exactly a bucket, bucket + 1, above the cap
             _check(c, m, *_inputs(n, seed=i))
-    program = _runtime().program
-    source, _ = graph_forward_source(program, binds_inputs, pass_args)
+    runtime = symbolic_runtime(m)
+    program = runtime.program
+    assert runtime.token_symbol is not None
+    source, _ = graph_forward_source(program, runtime.token_symbol, binds_inputs, pass_args)
     assert "for " not in source and "while " not in source
+    # Bound once per bucket: the per-call function takes the live inputs, the call's symbols, n.
+    assert "def bind_graph_forward(b, table, replays, copiers, ring, views):" in source
+    assert "    def graph_forward(args, env_n, n):" in source
     order = []
     for st in program.steps:
-        head = f"replay(({st.index}, b), (" if st.segment.is_graph else f"call_{st.index}("
+        head = f"replay_{st.index}(" if st.segment.is_graph else f"call_{st.index}("
         assert source.count(head) == 1, (head, source)
         order.append(source.index(head))
     assert order == sorted(order)
     graph_steps = [st for st in program.steps if st.segment.is_graph]
+    # One replay callable per graph step, bound with the bucket's table.
+    assert f"{', '.join(f'replay_{st.index}' for st in graph_steps)}, = replays" in source
     # A bound graph reads what it captured: it is handed nothing unless the debug check wants it.
-    assert (source.count(", b), ())") == len(graph_steps)) == (not pass_args)
+    assert (sum(source.count(f"replay_{st.index}()") for st in graph_steps) == len(graph_steps)) == (
+        not pass_args)
     # Outputs of non-binding replays land in the call's table; bound ones stay where they were captured.
     assert ("] = o[" in source) == (not binds_inputs)
+    assert ("static = list(table)" in source) == (not binds_inputs)
     # Each input buffer is filled once, through its live rows (one-dim copies are written inline).
     inputs = program.input_buffers
     assert sum(source.count(f"dst{s}.copy_(v{s})") for s in inputs) == len(inputs)
@@ -293,8 +299,9 @@ def test_a_program_without_steps_returns_its_inputs_and_constants() -> None:
     program = Program(num_slots=1, num_inputs=1, steps=(), outputs=(Ref(slot=0), 3), token_dims={})
     x = torch.ones(2)
     assert make_live_forward(program)((x,), {}) == (x, 3)
-    graph_forward = make_graph_forward(program, "stage", True, False)
-    assert graph_forward((x,), [], {}, {}, None, 2, 2, None, None) == (x, 3)
+    bind = make_graph_forward(program, "stage", sympy.Symbol("s0"), True, False)
+    graph_forward = bind(2, [], (), None, None, {})  # bucket 2: its table, no replays, copiers or ring
+    assert graph_forward((x,), {}, 2) == (x, 3)
 
 
 def test_a_static_buffer_keeps_the_traced_layout_of_what_it_holds() -> None:
@@ -305,7 +312,7 @@ def test_a_static_buffer_keeps_the_traced_layout_of_what_it_holds() -> None:
     with torch.no_grad(), ppcompile.counters.expect(replays=3, eager_runs=1):
         for i, n in enumerate([5, 8, 9, 17]):
             _check(c, m, *_inputs(n, seed=i))
-    (state,) = _runtime().instances()
+    (state,) = symbolic_runtime(m).instances()
     (bridge,) = state.bridge_buffers.values()
     assert bridge.shape == (2, 16, 8) and bridge.stride() == (8, 16, 1)
 
@@ -319,7 +326,7 @@ def test_a_column_major_bridge_is_viewed_with_each_buckets_strides_and_graphs_se
     with torch.no_grad(), ppcompile.counters.expect(replays=3, eager_runs=1):
         for i, n in enumerate([5, 8, 9, 17]):  # a bucket, exactly a bucket, a bucket + 1, above the cap
             _check(c, m, *_inputs(n, seed=i))
-    (state,) = _runtime().instances()
+    (state,) = symbolic_runtime(m).instances()
     (bridge,) = state.bridge_buffers.values()
     width = bridge.shape[1]
     assert bridge.shape == (16, width) and bridge.stride() == (1, 16)

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 from cuda_double import CaptureViolation, StrictCuda
+from runtime_helpers import symbolic_runtime
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-import ppcompile
 from ppcompile import counters
 from ppcompile.runtime.executors import (
     CudaGraphExecutor,
@@ -237,15 +237,11 @@ def cuda_stage(cuda: StrictCuda) -> tuple[Stage, Any]:
     return m, c
 
 
-def _runtime() -> Any:
-    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
-
-
 def test_runtime_captures_largest_bucket_first_in_one_pool(cuda: StrictCuda, cuda_stage: Any) -> None:
     m, c = cuda_stage
     x = torch.randn(5, H)
     torch.testing.assert_close(c(x), m(x))
-    rt = _runtime()
+    rt = symbolic_runtime(m)
     assert rt.graph_mode == "cuda"
     (state,) = rt.instances()
     ex = state.executor
@@ -270,7 +266,7 @@ def test_runtime_replays_graphs_and_matches_eager(cuda: StrictCuda, cuda_stage: 
         got = c(x)
         assert seen_rows == [n]  # the break op ran eagerly on the live rows
         torch.testing.assert_close(got, m(x))
-        rt = _runtime()
+        rt = symbolic_runtime(m)
         (state,) = rt.instances()
         ex = state.executor
         replayed = {k for k, cap in ex._captured.items() if cap.graph.replays > before.get(id(cap.graph), 1)}

@@ -6,12 +6,14 @@ graph API under the strict capture double, ``test_cuda_graph_double.py``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from mixer_stage import MixerStage, register_mixer
+from runtime_helpers import executors_made_by, symbolic_runtime
 from torch import nn
 
 import ppcompile
@@ -53,9 +55,6 @@ def _inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(n, H, device="cuda", generator=g), torch.randn(n, H, device="cuda", generator=g))
 
 
-def _runtime() -> Any:
-    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
-
 
 @pytest.mark.parametrize("mode", ["auto", "cuda"])
 def test_cuda_graphs_match_eager_across_token_counts(mode: str) -> None:
@@ -71,7 +70,7 @@ def test_cuda_graphs_match_eager_across_token_counts(mode: str) -> None:
         for g, w in zip(got, want):
             assert g.is_cuda and g.shape == w.shape == (n, H)
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
-    rt = _runtime()
+    rt = symbolic_runtime(m)
     assert rt.graph_mode == "cuda"
     (state,) = rt.instances()
     assert isinstance(state.executor, CudaGraphExecutor)
@@ -121,10 +120,20 @@ def _pool_bytes(pool: Any) -> int:
     return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == tuple(pool))
 
 
-def test_buckets_share_the_graph_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+class _HoldsEveryBucket(CudaGraphExecutor):
+    """CUDA graphs whose outputs stay held strongly after their bucket is captured (no block reuse)."""
+
+    def bucket_captured(self, bucket: int) -> dict[int, Any]:
+        return {}
+
+
+def _holds_every_bucket(mode: str, debug: bool, device: Any, agreement: Any) -> CudaGraphExecutor:
+    return _HoldsEveryBucket(debug, device=device, agreement=agreement)
+
+
+def test_buckets_share_the_graph_pool() -> None:
     """Graph outputs are held weakly once their bucket is captured, so smaller buckets capture into
     the larger ones' blocks: the pool holds about one bucket's outputs, not every bucket's."""
-    from ppcompile.runtime.executors import GraphExecutor
 
     width, sizes = 512, [512, 1024, 2048, 3072, 4096, 6144, 8192]
 
@@ -132,16 +141,16 @@ def test_buckets_share_the_graph_pool(monkeypatch: pytest.MonkeyPatch) -> None:
         torch._dynamo.reset()
         torch.manual_seed(0)
         m = MixerStage(torch.ops.pptest_rt.gpu_mixer, width).cuda()  # MiBs of outputs per bucket
-        with monkeypatch.context() as mp:
+        with contextlib.ExitStack() as stack:
             if not share:
-                mp.setattr(CudaGraphExecutor, "bucket_captured", GraphExecutor.bucket_captured)
+                stack.enter_context(executors_made_by(_holds_every_bucket))
             c = _compile(m, capture_sizes=sizes)
             for i, n in enumerate([8000, 700, 3000, 8192, 513, 5000]):  # across buckets, interleaved
                 g = torch.Generator(device="cuda").manual_seed(i)
                 args = tuple(torch.randn(n, width, device="cuda", generator=g) for _ in range(2))
                 for got, want in zip(c(*args), m(*args)):
                     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-        (state,) = _runtime().instances()
+        (state,) = symbolic_runtime(m).instances()
         return _pool_bytes(state.executor.pool)
 
     held = run(share=False)

@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 import torch
+from runtime_helpers import CaptureHooks
 from tiny_stage import H, Tiny, call
 
 import ppcompile
 from ppcompile.debug.html import render_html
 from ppcompile.debug.report import build_report
 from ppcompile.debug.table import format_report
-from ppcompile.runtime.executors import EmulatedGraphExecutor
+from ppcompile.runtime.executors import Key
 from ppcompile.runtime.stage_runtime import StageRuntime
 
 OPTIONS = {"graph_mode": "emulate", "capture_sizes": [8, 16]}
@@ -59,15 +60,13 @@ def test_a_graph_whose_guards_refuse_every_bucket_says_it_never_graphs(
     assert "no bucket" in format_report(report, "dumps") and "no bucket" in render_html(report)
 
 
-def test_a_failed_capture_is_one_warning_and_one_count(caplog: pytest.LogCaptureFixture,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(self: Any, *args: Any, **kwargs: Any) -> Any:
+def test_a_failed_capture_is_one_warning_and_one_count(caplog: pytest.LogCaptureFixture) -> None:
+    def fail(key: Key) -> None:
         raise RuntimeError("no memory")
 
-    monkeypatch.setattr(EmulatedGraphExecutor, "capture", fail)
     c = torch.compile(Tiny(), backend="pp_breakable", options=OPTIONS)
     with caplog.at_level("WARNING", logger="ppcompile"), ppcompile.counters.expect(
-            fall_offs={"capture failed": 1}):
+            fall_offs={"capture failed": 1}), CaptureHooks(on_capture=fail).injected():
         with pytest.raises(RuntimeError, match="no memory"):
             call(c, 5)
         for n in (6, 9, 12):  # eagerly from now on, and quietly

@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mixer_stage import MixerStage, register_mixer
+from runtime_helpers import symbolic_runtime
 
 import ppcompile
 
@@ -35,10 +36,6 @@ def _received(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, r = recv[:, :H], recv[:, H:]
     ppcompile.mark_token_dynamic(x, r)
     return x, r
-
-
-def _runtime() -> Any:
-    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
 
 
 def _counting(calls: dict[str, int]) -> Callable[[str, Callable[..., Any]], Callable[..., Any]]:
@@ -80,7 +77,7 @@ def test_copy_kernel_auto_keeps_the_torch_ops_on_cpu() -> None:
     c = _compile(m)
     with torch.inference_mode():
         c(*_received(5, seed=0))
-    (state,) = _runtime().instances()
+    (state,) = symbolic_runtime(m).instances()
     assert state.copy_kernel == "torch" and state.copiers is None
 
 
@@ -103,7 +100,7 @@ class _Stress:
         self.compiled = _compile(self.module, copy_kernel=copy_kernel)
         with torch.inference_mode():
             self.compiled(*_received(SIZES[-1], seed=0))
-        (self.state,) = _runtime().instances()
+        (self.state,) = symbolic_runtime(self.module).instances()
         self.buffers = [*self.state.input_buffers.values(), *self.state.bridge_buffers.values()]
         assert len(self.buffers) == 3  # x, residual, the mixer's output
         with torch.inference_mode():  # the buffers are inference tensors, as the calls made them

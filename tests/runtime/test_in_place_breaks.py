@@ -17,6 +17,7 @@ import pytest
 import torch
 from mixer_stage import mix_rows, register_mixer
 from plan_variants import compile_recorded, map_steps, with_program
+from runtime_helpers import symbolic_runtime
 
 import ppcompile
 from ppcompile.debug.report import build_report
@@ -122,10 +123,6 @@ class GraphRewritesBridgeStage(RewrittenBridgeStage):
         return self.down(mix(m)) + y, m
 
 
-def _runtime() -> Any:
-    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
-
-
 def _compare(c: Any, m: torch.nn.Module, n: int, seed: int, device: str) -> None:
     """The compiled stage against eager on fresh copies of the same inputs: outputs, and the inputs as
     the call left them (a break writes the caller's tensors in place, as eager does)."""
@@ -151,7 +148,7 @@ def test_a_break_writing_a_lifted_input_in_place_refreshes_its_buffer(mode: str,
     with torch.no_grad(), ppcompile.counters.expect(replays=6 if graphed else 0):
         for i, n in enumerate(COUNTS):
             _compare(c, m, n, i, device)
-    runtime = _runtime()
+    runtime = symbolic_runtime(m)
     program = runtime.program
     (brk,) = [st for st in program.steps if not st.segment.is_graph]
     residual_slot = next(s for s, (name, _) in program.input_layouts.items() if "residual" in name)
@@ -173,13 +170,13 @@ def test_a_token_local_op_writing_the_stage_inputs_stays_in_the_graph_and_its_wr
     with torch.no_grad(), ppcompile.counters.expect(replays=6):
         for i, n in enumerate(COUNTS):
             _compare(c, m, n, i, device)
-    program = _runtime().program
+    program = symbolic_runtime(m).program
     first = program.steps[0]
     written = [program.input_layouts[s][0].lower() for s in first.writes_buffers]
     assert first.segment.is_graph and written == ["l_x_", "l_residual_"], written
-    (segment,) = [s for s in build_report(_runtime())["segments"] if s["index"] == first.index]
+    (segment,) = [s for s in build_report(symbolic_runtime(m))["segments"] if s["index"] == first.index]
     assert segment["writes_in_place"] == [program.input_buffers[s].name for s in first.writes_buffers]
-    assert [r.op for r in _runtime().break_reasons] == ["pptest_inplace.mix.default"]
+    assert [r.op for r in symbolic_runtime(m).break_reasons] == ["pptest_inplace.mix.default"]
 
 
 @pytest.mark.parametrize("mode", ["emulate", "eager", CUDA])
@@ -190,7 +187,7 @@ def test_a_break_writing_a_bridged_value_in_place_refreshes_its_bridge(mode: str
     with torch.no_grad(), ppcompile.counters.expect(replays=6):
         for i, n in enumerate(COUNTS):
             _compare(c, m, n, i, device)
-    first, second = [st for st in _runtime().program.steps if not st.segment.is_graph]
+    first, second = [st for st in symbolic_runtime(m).program.steps if not st.segment.is_graph]
     (bridge,) = first.bridges
     assert second.refreshes == (bridge,) and second.bridges == ()
 
@@ -202,10 +199,10 @@ def test_the_fused_copier_refreshes_in_the_breaks_copy_point() -> None:
     with torch.no_grad(), ppcompile.counters.expect(replays=3):
         for i, n in enumerate([3, 8, 9, 17]):
             _compare(c, m, n, i, "cpu")
-    (state,) = _runtime().instances()
+    (state,) = symbolic_runtime(m).instances()
     assert state.copy_kernel == "triton"
-    (code,) = [code for what, code in _runtime().generated_code().items() if "fused copies" in what]
-    assert "copiers[1](" in code  # the break's point: the residual, refreshed
+    (code,) = [code for what, code in symbolic_runtime(m).generated_code().items() if "fused copies" in what]
+    assert "copy_1 = copiers[1]" in code and "copy_1((" in code  # the break's point: the residual, refreshed
 
 
 def _stale(m: torch.nn.Module, change: Callable[[Any], Any]) -> tuple[Any, Any, Any]:
@@ -248,7 +245,7 @@ def test_a_graph_writing_a_bridged_value_in_place_is_read_back_by_the_break_afte
     with torch.no_grad(), ppcompile.counters.expect(replays=6):
         for i, n in enumerate(COUNTS):
             _compare(c, m, n, i, device)
-    program = _runtime().program
+    program = symbolic_runtime(m).program
     (writer,) = [st for st in program.graph_steps if st.writes_buffers]
     assert writer.segment.is_graph and writer.writes_buffers == tuple(program.bridge_buffers)[:1]
     # The output and the break after the writer read the written bridge's buffer: the next bridge must

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from mixer_stage import mix_rows
+from runtime_helpers import symbolic_runtime
 
 import ppcompile
 from ppcompile.debug.report import build_report
@@ -46,10 +47,6 @@ class OutVariantStage(torch.nn.Module):
         return y, y + residual
 
 
-def _runtime() -> Any:
-    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
-
-
 def _counting(calls: list[str]) -> Callable[[str, Callable[..., Any]], Callable[..., Any]]:
     def wrap(category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any) -> Any:
@@ -80,7 +77,7 @@ def test_an_out_variant_break_writes_in_place_at_every_bucket(mode: str, compile
             ppcompile.mark_token_dynamic(x, r)
             for got, want in zip(c(x, r), m(x, r)):
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    runtime = _runtime()
+    runtime = symbolic_runtime(m)
     program = runtime.program
     (brk,) = [st for st in program.steps if not st.segment.is_graph]
     assert not program.bridge_buffers and brk.bridges == ()
@@ -127,7 +124,7 @@ def test_a_break_returning_a_fresh_tensor_is_bridged_and_the_report_says_copied(
         x, r = torch.randn(5, H), torch.randn(5, H)
         ppcompile.mark_token_dynamic(x, r)
         c(x, r)
-    runtime = _runtime()
+    runtime = symbolic_runtime(m)
     (brk,) = [st for st in runtime.program.steps if not st.segment.is_graph]
     assert len(brk.bridges) == 1 and brk.in_place == ()
     (segment,) = [s for s in build_report(runtime)["segments"] if s["index"] == brk.index]

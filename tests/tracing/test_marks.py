@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from runtime_helpers import symbolic_runtime
 
 import ppcompile
 from ppcompile.models import (
@@ -16,7 +17,6 @@ from ppcompile.models import (
     make_stage,
     set_forward_context,
 )
-from ppcompile.runtime.stage_runtime import StageRuntime
 
 PP = 4
 CFG = REFERENCE_CONFIGS["small-dense"].replace(num_layers=8)
@@ -62,10 +62,6 @@ def _run(stage: torch.nn.Module, fn: object, n: int, mark: bool) -> dict[str, to
         return fn(None, pos, pp_proxy_tensors=proxies)  # type: ignore[operator, no-any-return]
 
 
-def _runtime() -> StageRuntime:
-    return [rt for rt in ppcompile.stage_runtimes() if rt.token_symbol is not None][-1]
-
-
 def test_marked_stage_graphs_from_its_first_call_and_keeps_floats_constant() -> None:
     stage = make_stage(CFG, 1, PP)
     compiled = torch.compile(stage, backend="pp_breakable", options=OPTIONS)
@@ -74,7 +70,7 @@ def test_marked_stage_graphs_from_its_first_call_and_keeps_floats_constant() -> 
     with c.expect(backend_compiles=1, replays=1):
         got, want = _run(stage, compiled, n0, True), _run(stage, stage, n0, False)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    rt = _runtime()
+    rt = symbolic_runtime(stage)
     assert rt.eager_reason is None
     assert rt.compiled.scalar_slots == ()  # the RMSNorm eps values are constants in the graph, not inputs
     # Later calls need no marking: the dynamic graph serves them (1 token is Dynamo's own static graph).
@@ -89,7 +85,7 @@ def test_dynamic_true_passes_the_float_attributes_as_inputs() -> None:
     stage = make_stage(CFG, 1, PP)
     compiled = torch.compile(stage, backend="pp_breakable", dynamic=True, options=OPTIONS)
     _run(stage, compiled, 16, False)
-    assert len(_runtime().compiled.scalar_slots) == 2 * (stage.end_layer - stage.start_layer)
+    assert len(symbolic_runtime(stage).compiled.scalar_slots) == 2 * (stage.end_layer - stage.start_layer)
 
 
 def test_size_oblivious_tracing_graphs_one_token_forwards() -> None:
