@@ -15,21 +15,16 @@ import math
 from typing import Any
 
 from ppcompile.debug.capture import buffer_bytes, format_bytes, owned_buffer_bytes
+from ppcompile.records import BREAK_KINDS
 
 __all__ = ["KIND_COLORS", "render_html"]
 
 GRAPH_COLOR = "#4e79a7"
+# A break's colour: its kind's row of records.BREAK_KINDS, keyed by the kind's value as reports store it.
 KIND_COLORS = {
     "graph": GRAPH_COLOR,
-    "attention": "#f28e2b",
-    "user split op": "#b07aa1",
-    "non-token dynamic shape": "#76b7b2",
-    "padding-unsafe op": "#e15759",
-    "capture-unsafe op": "#9d4f2f",
-    "host scalar argument": "#edc948",
-    "no tensor outputs": "#bab0ac",
-    "declared eager region": "#ff9da7",
-    "other": "#9c755f",
+    **{kind.value: row.color for kind, row in BREAK_KINDS.items()},
+    "other": "#9c755f",  # a kind no BreakKind has (a report another version wrote)
 }
 _W = 1120  # drawing width of the SVGs, px
 
@@ -123,6 +118,21 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
+def _text_width(text: str) -> float:
+    """A generous estimate of ``text``'s width in px at the SVGs' 11 px font (about 6 px a character)."""
+    return 6.6 * len(text)
+
+
+def _fit(x: float, text: str, width: float = _W) -> tuple[float, str]:
+    """``(x, text-anchor)`` of a label centred on ``x``, or anchored at the edge of the SVG it would cross."""
+    half = _text_width(text) / 2
+    if x + half > width - 2:
+        return width - 2, "end"
+    if x - half < 2:
+        return 2, "start"
+    return x, "middle"
+
+
 def _color(seg: dict[str, Any]) -> str:
     if seg["kind"] == "graph":
         return GRAPH_COLOR
@@ -175,8 +185,9 @@ def _timeline(report: dict[str, Any]) -> str:
                 f"style='fill:#fff;pointer-events:none'>{_e(label)}</text>") if label else ""
         layers = ""
         if s["index"] in labelled:
-            layers = (f"<text x='{x + w / 2:.1f}' y='{y - 6}' text-anchor='middle'>"
-                      f"L{_e(','.join(map(str, s['layer_ids'])))}</text>")
+            tag = "L" + ",".join(map(str, s["layer_ids"]))
+            lx, anchor = _fit(x + w / 2, tag)
+            layers = f"<text x='{lx:.1f}' y='{y - 6}' text-anchor='{anchor}'>{_e(tag)}</text>"
         parts.append(
             f"<g><rect class='seg' data-index='{s['index']}' data-name='{_e(s['name'])}' x='{x:.1f}' y='{y}' "
             f"width='{w:.1f}' height='{h}' rx='3' fill='{_color(s)}'><title>{_e(_tooltip(s))}</title></rect>"
@@ -281,8 +292,9 @@ def _capture_plot(report: dict[str, Any]) -> str:
     buckets = sorted(run["buckets"], key=lambda b: b["bucket"])
     if not buckets:
         return f"<p class='muted'>The last capture run failed: {_e(run['failed'])}</p>"
-    x0, x1, y0, y1 = 48.0, _W - 12.0, 10.0, 150.0
     tmax = max(b["seconds"] for b in buckets) or 1e-9
+    top = f"{1e3 * tmax:.0f} ms" if tmax >= 0.01 else f"{1e3 * tmax:.2g} ms"  # the time axis's label
+    x0, x1, y0, y1 = max(48.0, _text_width(top) + 10), _W - 12.0, 10.0, 150.0
     step = (x1 - x0) / len(buckets)
     bars = []
     for i, b in enumerate(buckets):
@@ -293,9 +305,9 @@ def _capture_plot(report: dict[str, Any]) -> str:
         bars.append(f"<rect x='{x0 + i * step + 1:.1f}' y='{y1 - hh:.1f}' width='{max(1.0, step - 2):.1f}' "
                     f"height='{hh:.1f}' fill='{GRAPH_COLOR}'><title>{_e(tip)}</title></rect>")
         if len(buckets) <= 24 or i % max(1, len(buckets) // 12) == 0:
-            bars.append(f"<text x='{x0 + (i + 0.5) * step:.1f}' y='{y1 + 14}' text-anchor='middle'>"
-                        f"{b['bucket']}</text>")
-    bars.append(f"<text x='{x0 - 6}' y='{y0 + 8}' text-anchor='end'>{1e3 * tmax:.0f} ms</text>"
+            bx, anchor = _fit(x0 + (i + 0.5) * step, str(b["bucket"]))
+            bars.append(f"<text x='{bx:.1f}' y='{y1 + 14}' text-anchor='{anchor}'>{b['bucket']}</text>")
+    bars.append(f"<text x='{x0 - 6:.1f}' y='{y0 + 8}' text-anchor='end'>{_e(top)}</text>"
                 f"<line x1='{x0}' x2='{x1}' y1='{y1}' y2='{y1}' stroke='#1d2733'/>")
     caption = (f"{run['graphs']} graphs ({run['graph_mode']}) in {run['seconds']:.2f} s; graph outputs hold "
                f"{format_bytes(run['output_bytes'])}"

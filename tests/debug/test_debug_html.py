@@ -17,6 +17,7 @@ from debug_helpers import compile_stage
 
 from ppcompile.debug import build_report
 from ppcompile.debug.html import GRAPH_COLOR, KIND_COLORS, render_html
+from ppcompile.records import BREAK_KINDS, BreakKind
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -46,7 +47,9 @@ def test_page_is_self_contained(report: tuple[Path, dict[str, Any]]) -> None:
     page = (folder / "report.html").read_text()
     assert "://" not in page  # no URL of any scheme: nothing to fetch
     assert "<link" not in page and not re.search(r"<(script|img|iframe)[^>]*\ssrc=", page)
-    assert _embedded(page) == json.loads(json.dumps(data))
+    embedded = _embedded(page)
+    assert embedded.pop("written")["after"] == "capture"  # publish_report stamps the files it writes
+    assert embedded == json.loads(json.dumps(data))
 
 
 def test_page_draws_every_segment_and_buffer(report: tuple[Path, dict[str, Any]]) -> None:
@@ -69,6 +72,17 @@ def test_text_from_the_report_is_escaped() -> None:
     assert _embedded(page)["segments"][0]["break_reason"]["detail"].startswith("</script>")
 
 
+@pytest.mark.parametrize("kind", list(BreakKind))
+def test_a_break_is_drawn_in_its_kinds_colour(kind: BreakKind) -> None:
+    """The timeline and the legend take a break's colour from its kind's row of ``BREAK_KINDS``."""
+    data = build_report_stub()
+    data["segments"][0]["break_reason"]["kind"] = kind.value
+    page = render_html(data)
+    color = BREAK_KINDS[kind].color
+    assert re.findall(r"<rect class='seg'[^>]*fill='(#\w+)'", page) == [color]
+    assert f"<i style='background:{color}'></i>" in page  # its legend entry
+
+
 def build_report_stub() -> dict[str, Any]:
     """The smallest report render_html accepts: one break segment, no buffers, two buckets."""
     table = [[1, 2, 1.0], [2, 2, 0.0], [3, 4, 0.3333], [4, 4, 0.0]]
@@ -87,6 +101,52 @@ def build_report_stub() -> dict[str, Any]:
         "memory": {"estimated_graph_bytes": None, "measured_graph_bytes": None, "note": "n"},
         "pass_times_ms": {},
     }
+
+
+# ------------------------------------------------------------------------------ SVG geometry
+_PX_PER_CHAR = 5.5  # at least this wide per character at the SVGs' 11 px font
+
+
+def _svg_texts(page: str) -> list[tuple[str, float, float, str, str]]:
+    """``(svg id, svg width, x, anchor, text)`` of every text element of every SVG on the page."""
+    out = []
+    svgs = re.findall(r"<svg id='(\w+)'[^>]*viewBox='0 0 ([\d.]+) [\d.]+'[^>]*>(.*?)</svg>", page, re.S)
+    for svg_id, width, body in svgs:
+        for attrs, text in re.findall(r"<text ([^>]*)>([^<]*)</text>", body):
+            x = float(re.search(r"x='([-\d.]+)'", attrs).group(1))  # type: ignore[union-attr]
+            anchor = re.search(r"text-anchor='(\w+)'", attrs)
+            out.append((svg_id, float(width), x, anchor.group(1) if anchor else "start", text))
+    return out
+
+
+def _extent(x: float, anchor: str, text: str) -> tuple[float, float]:
+    w = _PX_PER_CHAR * len(text)
+    return {"start": (x, x + w), "middle": (x - w / 2, x + w / 2), "end": (x - w, x)}[anchor]
+
+
+def test_every_svg_label_fits_its_svg() -> None:
+    """A long capture time (its axis label) and a break at each end of the timeline with wide layer
+    labels: every label lies inside its SVG, the last one anchored at the right edge."""
+    data = build_report_stub()
+    first = data["segments"][0]
+    first["layer_ids"] = [120, 121]
+    graph = {**first, "index": 1, "name": "submod_1", "kind": "graph", "nodes": 60, "layer_ids": [],
+             "break_reason": None}
+    last = {**first, "index": 2, "name": "submod_2", "layer_ids": [126, 127]}
+    data["segments"] = [first, graph, last]
+    buckets = [{"bucket": b, "graphs": 1, "seconds": s, "output_bytes": 0, "pool_bytes": None}
+               for b, s in ((2, 0.5), (4, 12.345), (65536, 3.0))]
+    data["captures"] = {"count": 3, "captured": True, "runs": [
+        {"graphs": 3, "graph_mode": "cuda", "seconds": 15.8, "output_bytes": 0, "measured_bytes": None,
+         "failed": None, "buckets": buckets}]}
+    texts = _svg_texts(render_html(data))
+    assert {t[0] for t in texts} == {"timeline", "padplot", "captureplot"}
+    for svg_id, width, x, anchor, text in texts:
+        lo, hi = _extent(x, anchor, text)
+        assert lo >= 0 and hi <= width, f"{svg_id}: {text!r} at x={x} ({anchor}) spans {lo:.0f}..{hi:.0f}"
+    labels = {text: (x, anchor) for svg_id, _, x, anchor, text in texts if svg_id == "timeline"}
+    assert labels["L126,127"][1] == "end" and labels["L120,121"][1] == "start"
+    assert "12345 ms" in {text for svg_id, *_, text in texts if svg_id == "captureplot"}
 
 
 # ------------------------------------------------------------------------------ a real browser
