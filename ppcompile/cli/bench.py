@@ -1,10 +1,12 @@
 """``python -m ppcompile bench``: the prefill benchmarks of a source checkout, and their write-up.
 
 Runs ``bench/prefill_throughput.py``, ``bench/stage_profile.py`` and ``bench/overhead.py`` in one
-process on one stage (``--quick``: the CPU suite, under a minute), saves their JSON (and the throughput
-plot) under ``--out``, and writes their sections of ``docs/benchmarks.md`` with the plot under
-``docs/benchmarks/``. ``--render DIR`` writes the docs from results saved earlier (e.g. the folder that
-``bench/gpu_check.sh`` filled on a GPU machine) without running anything.
+process on one stage (``--quick``: the CPU suite, under a minute), prints their tables and saves their
+JSON (and the throughput plot) under ``--out``. Only when asked (``--write-docs``, or ``--docs-file
+FILE``) does it write their sections of the tracked ``docs/benchmarks.md`` (or FILE), with the plot under
+``benchmarks/`` beside it, like ``bench/*.py --write``. ``--render DIR`` writes the docs from results
+saved earlier (e.g. the folder that ``bench/gpu_check.sh`` filled on a GPU machine) without running
+anything.
 """
 
 from __future__ import annotations
@@ -45,21 +47,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {','.join(BENCHES)}")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default: bench/results/<cpu|gpu>)")
+    parser.add_argument("--write-docs", "--write", dest="docs", action="store_true", default=None,
+                        help="also write the results into docs/benchmarks.md and docs/benchmarks/ (tracked "
+                             "files; default: only print them and save them under --out)")
     parser.add_argument("--no-docs", dest="docs", action="store_false",
-                        help="do not touch docs/benchmarks.md and docs/benchmarks/")
+                        help="do not write the docs, even with --docs-file (the default without it)")
     parser.add_argument("--render", type=Path, default=None, metavar="DIR",
                         help="run nothing: write the docs from the results saved in DIR")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="time box: throughput starts no new repeat after 60%% of it")
-    parser.add_argument("--docs-file", type=Path, default=DOCS,
-                        help="markdown file to write (default docs/benchmarks.md; plots go to "
-                             "benchmarks/ next to it)")
+    parser.add_argument("--docs-file", type=Path, default=None,
+                        help="markdown file to write, implies --write-docs (default docs/benchmarks.md; "
+                             "plots go to benchmarks/ next to it)")
     if (REPO_ROOT / "bench" / "common.py").exists():
         _bench("common").add_suite_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs the chosen benchmarks (or renders saved ones); returns the exit code."""
+    write_docs = args.docs if args.docs is not None else args.docs_file is not None
+    args.docs_file = args.docs_file or DOCS
     if args.render is not None:
         written = render_docs(args.render, args.docs_file)
         print(f"wrote {args.docs_file} ({', '.join(written) or 'nothing: no results found'})")
@@ -98,9 +105,11 @@ def run(args: argparse.Namespace) -> int:
         result = ov.run_overhead(suite.stage.device, suite.overhead_iters, layers=suite.overhead_layers)
         report.save_json(out / "overhead.json", result)
         print("\n## Runtime overhead\n\n" + ov.markdown(result), flush=True)
-    if args.docs:
+    if write_docs:
         written = render_docs(out, args.docs_file)
         print(f"\nwrote {args.docs_file} ({', '.join(written)})")
+    else:
+        print(f"\n{args.docs_file} not changed: add --write-docs to write these results into it")
     return 0
 
 
@@ -170,14 +179,15 @@ measurement for `pp_breakable`, on a reference-model stage (`ppcompile.models`):
   per segment.
 
 GPU targets: at the 2K cap, graphs at least 2.5x eager tokens/s on a small-model stage; wall/busy at most
-1.10 with graphs. `python -m ppcompile bench --quick` reruns the CPU figures below (under a minute);
+1.10 with graphs. `python -m ppcompile bench --quick --write-docs` reruns the CPU figures below (under a
+minute; without `--write-docs` it only prints them);
 `bash bench/gpu_check.sh` the GPU ones (then `python -m ppcompile bench --render <its folder>`).
 Benchmarks are never timing asserts in the test suite.
 """
 
 
 def _command(kind: str) -> str:
-    return "python -m ppcompile bench --quick" if kind == "cpu" else "bash bench/gpu_check.sh"
+    return "python -m ppcompile bench --quick --write-docs" if kind == "cpu" else "bash bench/gpu_check.sh"
 
 
 def _placeholder(kind: str) -> str:
@@ -185,4 +195,5 @@ def _placeholder(kind: str) -> str:
         return ("## Prefill benchmarks: GPU\n\nNot measured yet. On a machine with a CUDA GPU run "
                 "`bash bench/gpu_check.sh` (results go to `$OUT` or `bench/results/gpu`), then "
                 "`python -m ppcompile bench --render <that folder>` to write this section.")
-    return "## Prefill benchmarks: CPU\n\nNot measured yet: run `python -m ppcompile bench --quick`."
+    return ("## Prefill benchmarks: CPU\n\nNot measured yet: run "
+            "`python -m ppcompile bench --quick --write-docs`.")
