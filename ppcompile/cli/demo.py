@@ -43,7 +43,8 @@ from ppcompile.pipeline import (
 from ppcompile.pipeline.groups import DEFAULT_TIMEOUT_S, default_device
 from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
 
-__all__ = ["add_arguments", "default_token_stream", "parse_tokens", "run", "run_distributed", "split_tokens"]
+__all__ = ["add_arguments", "check_args", "default_token_stream", "parse_tokens", "run", "run_distributed",
+           "split_tokens"]
 
 _DEFAULT_PP = 4
 
@@ -193,14 +194,25 @@ class _Setup:
               f"(warm-up forward of {self.warm} tokens)")
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the combination of options, if anything (``main`` makes it a usage error)."""
+    if args.distributed:
+        return None
+    if args.tp != 1:
+        return (f"--tp {args.tp} needs --distributed (one process per rank): add --distributed, e.g. "
+                f"python -m ppcompile demo --distributed --tp {args.tp}")
+    if args.depth != 1:
+        return (f"--depth {args.depth} needs --distributed (micro-batches in flight between ranks): add "
+                "--distributed")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns the process exit code (1 when a difference exceeds the tolerance)."""
     if args.distributed:
         return run_distributed(args)
-    if args.tp != 1:
-        raise ValueError(f"--tp {args.tp} needs --distributed (one process per rank)")
-    if args.depth != 1:
-        raise ValueError(f"--depth {args.depth} needs --distributed (micro-batches in flight between ranks)")
+    if (problem := check_args(args)) is not None:
+        raise ValueError(problem)
     setup = _Setup.of(args, torch.device("cpu"))  # InProcessPipeline's device
     cfg, options, atol = setup.cfg, setup.options, setup.atol
     pp = args.pp or _DEFAULT_PP

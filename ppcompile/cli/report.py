@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from ppcompile.debug.report import load_reports
@@ -38,9 +37,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r for _, r in reports], indent=1))
         return 0
-    try:
-        print("\n\n".join(format_report(r, path) for path, r in reports))
-        sys.stdout.flush()
-    except BrokenPipeError:  # `report DIR | head`: the reader left; not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print("\n\n".join(format_report(r, path) for path, r in reports))  # a closed stdout: cli/main.py
     return 0

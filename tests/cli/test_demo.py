@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ppcompile.cli.demo import _Setup, add_arguments, default_token_stream, parse_tokens, split_tokens
+from ppcompile.cli.main import main
 from ppcompile.config import PPBreakableConfig
 from ppcompile.runtime.buckets import make_bucket_plan
 
@@ -63,3 +64,15 @@ def test_default_stream_spans_one_token_to_above_cap() -> None:
     assert sum(isinstance(x, list) and len(x) > 1 for x in default_token_stream(plan, rng)) >= 3
     lens = split_tokens(100, 4, rng)
     assert len(lens) == 4 and sum(lens) == 100 and min(lens) >= 1
+
+
+@pytest.mark.parametrize(("option", "fix"), [("--tp", "--distributed --tp 2"),
+                                             ("--depth", "add --distributed")])
+def test_parallel_options_without_distributed_are_a_usage_error(option: str, fix: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --tp 2`` alone: exit 2 with argparse's usage and what to add, not a traceback."""
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", option, "2"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("usage: python -m ppcompile demo")
+    assert f"error: {option} 2 needs --distributed" in err and fix in err and "Traceback" not in err
