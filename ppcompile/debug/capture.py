@@ -4,7 +4,8 @@ The backend hands ``StageRuntime`` :class:`CaptureRecorder` as its capture obser
 (``runtime/observer.py``): the runtime measures each run itself and tells the recorder about each
 bucket and the end through small records; the recorder logs (``DEBUG`` per bucket, ``INFO`` per
 stage), drives the progress bar and calls ``on_finish`` after a successful run (the stage report's
-rewrite: capture happens at the first graph-path call, after the compile-time report). The records
+rewrite: capture happens at the first graph-path call, after the compile-time report; the report is
+rewritten once more at exit, ``debug/report.py``). The records
 themselves stay with the runtime: :func:`capture_records`.
 """
 

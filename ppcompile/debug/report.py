@@ -4,17 +4,23 @@
 dict (schema in ``docs/debugging.md``); :func:`publish_report` writes it as ``report.json`` and
 ``report.html`` under the stage's dump folder (when dumping) and emits it as a ``TORCH_TRACE`` artifact.
 The backend publishes once at compile time and again after every capture run (capture is lazy: it
-happens at the first call that takes the graph path). The memory section is estimated in ``memory.py``.
+happens at the first call that takes the graph path); at interpreter exit every stage that served
+forwards since its report was written is published again (:func:`refresh_reports`, also callable on
+request), so a dump folder's ``traffic`` counts them all. Each written report says when and after what
+(``written``). The memory section is estimated in ``memory.py``.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import datetime
 import importlib.metadata
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -27,7 +33,7 @@ from ppcompile.symbolic import example_value
 if TYPE_CHECKING:
     from ppcompile.runtime.stage_runtime import StageRuntime
 
-__all__ = ["SCHEMA", "build_report", "load_reports", "on_stage_compiled", "publish_report"]
+__all__ = ["SCHEMA", "build_report", "load_reports", "on_stage_compiled", "publish_report", "refresh_reports"]
 
 SCHEMA = "ppcompile.stage_report/1"
 
@@ -70,7 +76,7 @@ def on_stage_compiled(runtime: StageRuntime) -> None:
         emit_artifact("runtime_code", lambda: text)
         if dump_dir is not None:
             write_text(stage_dir(dump_dir, runtime.name), "runtime_code.txt", text)
-        publish_report(runtime)
+        publish_report(runtime, after="compile")
     except Exception:  # debugging output is never worth failing a compile for
         log.warning("%s: could not write the dumps or the report (dump_dir=%r)", runtime.name, dump_dir,
                     exc_info=True)
@@ -276,14 +282,33 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
     }
 
 
-def publish_report(runtime: StageRuntime) -> str | None:
+Moment = Literal["compile", "capture", "exit", "request"]
+# Runtimes whose report was published, and (capture runs, forwards served) as of then: how the next
+# publish names its moment, and which reports are stale at exit.
+_published: weakref.WeakKeyDictionary[StageRuntime, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _usage(runtime: StageRuntime) -> tuple[int, int]:
+    return len(runtime.capture_records()), runtime.traffic.total
+
+
+def publish_report(runtime: StageRuntime, after: Moment | None = None) -> str | None:
     """Writes ``report.json`` and ``report.html`` for ``runtime`` when dumping, and emits the report as a
-    ``TORCH_TRACE`` artifact; returns the stage's dump folder, if any."""
+    ``TORCH_TRACE`` artifact; returns the stage's dump folder, if any. ``after`` names the moment the
+    report's ``written`` records (default: ``capture`` when a capture run ended since the last publish,
+    else ``request``)."""
+    usage = _usage(runtime)
+    if after is None:
+        last = _published.get(runtime)
+        after = "capture" if last is not None and usage[0] > last[0] else "request"
+    _published[runtime] = usage
+    _register_exit_refresh()
     cache: list[dict[str, Any]] = []
 
     def report() -> dict[str, Any]:
         if not cache:
-            cache.append(build_report(runtime))
+            now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            cache.append({**build_report(runtime), "written": {"at": now, "after": after}})
         return cache[0]
 
     emit_artifact("report", lambda: json.dumps(report(), default=str), encoding="json",
@@ -297,6 +322,36 @@ def publish_report(runtime: StageRuntime) -> str | None:
     write_text(folder, "report.json", json.dumps(report(), indent=1, default=str) + "\n")
     write_text(folder, "report.html", render_html(report()))
     return folder
+
+
+def refresh_reports(after: Moment = "request") -> list[str]:
+    """Publishes again the report of every live stage that served a forward or captured since its report
+    was written, when its dump folder is still there (a folder someone removed is not made again);
+    returns the folders written. Runs at interpreter exit; call it to look at the reports mid-run."""
+    written = []
+    for runtime, usage in list(_published.items()):
+        dump_dir = runtime.config.dump_dir
+        if dump_dir is None or usage == _usage(runtime):
+            continue
+        if not os.path.isdir(stage_dir(dump_dir, runtime.name)):
+            continue
+        try:
+            folder = publish_report(runtime, after=after)
+        except Exception:  # at exit, nothing is worth a traceback over a report
+            log.warning("%s: could not rewrite the stage report", runtime.name, exc_info=True)
+            continue
+        if folder is not None:
+            written.append(folder)
+    return written
+
+
+_exit_refresh: list[bool] = []
+
+
+def _register_exit_refresh() -> None:
+    if not _exit_refresh:
+        _exit_refresh.append(True)
+        atexit.register(refresh_reports, "exit")
 
 
 def load_reports(path: str) -> list[tuple[str, dict[str, Any]]]:

@@ -1,8 +1,10 @@
-"""``report.json``: written at compile, rewritten after capture; its facts match the runtime's."""
+"""``report.json``: written at compile, rewritten after capture and at exit; its facts match the runtime's."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from debug_helpers import SIZES, compile_stage, read_report
 
 import ppcompile
 from ppcompile.debug import build_report, capture_records, load_reports
+from ppcompile.debug.report import refresh_reports
 from ppcompile.passes.manager import PASSES
 
 
@@ -30,7 +33,41 @@ def test_report_before_and_after_capture(tmp_path: Path) -> None:
     assert sorted(b["bucket"] for b in run["buckets"]) == SIZES and run["failed"] is None
     assert all(b["graphs"] == 2 and b["seconds"] >= 0 for b in run["buckets"])
     assert run["measured_bytes"] is None  # CPU: no CUDA pool to measure
+    written = after.pop("written")
     assert after == json.loads(json.dumps(build_report(rt)))  # the file is the runtime's current report
+    assert before["written"]["after"] == "compile" and written["after"] == "capture"
+
+
+def test_report_counts_every_forward_once_refreshed(tmp_path: Path) -> None:
+    """Written at capture, the report counts the forward that captured; ``refresh_reports`` (run at exit)
+    brings it up to date, and each file says when and after what it was written."""
+    stage = compile_stage({"dump_dir": str(tmp_path)})
+    for n in (10, 11, 12, 13, 14, 15):
+        stage.call(n)
+    folder = str(tmp_path / stage.runtime.name)
+    stale = read_report(folder)
+    assert stale["traffic"]["forwards"] == 1 and stale["written"]["after"] == "capture"
+    assert str(folder) in refresh_reports()
+    fresh = read_report(folder)
+    assert fresh["traffic"]["forwards"] == 6 and fresh["written"]["after"] == "request"
+    assert fresh["written"]["at"] >= stale["written"]["at"]
+    assert refresh_reports() == []  # nothing served since: nothing rewritten
+
+
+def test_report_is_rewritten_at_exit(tmp_path: Path) -> None:
+    """A process that serves six forwards leaves a report that says six, written at exit."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from debug_helpers import compile_stage
+stage = compile_stage({{"dump_dir": {str(tmp_path)!r}}})
+for n in (10, 11, 12, 13, 14, 15):
+    stage.call(n)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    ((_, report),) = load_reports(str(tmp_path))
+    assert report["traffic"]["forwards"] == 6 and report["written"]["after"] == "exit"
 
 
 def test_report_describes_segments_buffers_and_buckets(tmp_path: Path) -> None:
