@@ -3,12 +3,15 @@
 Builds stage ``R`` (0-based rank) of a ``P``-stage split of a reference model, compiles it with
 ``pp_breakable`` and ``dump_dir=DIR``, and runs one forward of ``--tokens`` tokens so the graphs are
 captured. DIR then holds the pass dumps, the split module, each segment's code, ``report.json`` and
-``report.html`` (see ``docs/debugging.md``); the report is printed as tables.
+``report.html`` (see ``docs/debugging.md``); the report is printed as tables, then which of the ``.py``
+files ``python FILE`` runs as is (the reference models' attention runs in a made-up forward context) and
+why any other does not (its second line says so; run, it prints that and exits 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import logging
 import os
 import sys
@@ -21,7 +24,7 @@ from ppcompile.debug.report import build_report
 from ppcompile.debug.table import format_report
 from ppcompile.observe.dumps import stage_dir
 
-__all__ = ["add_arguments", "parse_stage", "run"]
+__all__ = ["add_arguments", "parse_stage", "run", "runnable_summary"]
 
 _MAX_SEQ_LEN = 256  # the forward's tokens are split into sequences of at most this many
 
@@ -131,5 +134,24 @@ def run(args: argparse.Namespace) -> int:
             why = rt.eager_reason or rt.plan.eager_reason(args.tokens) or "see the report"
             print(f"note: the forward ran eagerly ({why}); nothing was captured")
         print(format_report(build_report(rt), folder))
-        print(f"\nfiles: {folder}{os.sep} (open report.html in a browser; the .py files run as is)")
+        print(f"\nfiles: {folder}{os.sep} (open report.html in a browser)")
+        print(runnable_summary(folder))
     return 0
+
+
+def runnable_summary(folder: str) -> str:
+    """Which ``.py`` files under ``folder`` run as is (``python FILE``), and why the others do not."""
+    from ppcompile.observe.runnable import not_runnable_reason
+
+    files = sorted(glob.glob(os.path.join(glob.escape(folder), "**", "*.py"), recursive=True))
+    others = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            why = not_runnable_reason(f.read())
+        if why is not None:
+            others.append(f"  {os.path.relpath(path, folder)}: {why}")
+    if not others:
+        return (f"all {len(files)} .py files run as is: python FILE runs the graph once on random inputs "
+                "(in a made-up forward context where it calls the reference attention)")
+    return (f"{len(files) - len(others)} of {len(files)} .py files run as is; the others print why and "
+            "exit 0:\n" + "\n".join(others))

@@ -8,11 +8,12 @@ Layout, per process (``rank_<r>/`` only when ``torch.distributed`` is initialise
         split_module.py             the final split module (segments as nested classes)
         segments/NN.<name>.<kind>.py  each segment's code (kind: graph | break)
         runtime_code.txt            the code the runtime generated for each call (runtime/codegen.py)
-        report.json, report.html    the stage report (rewritten after capture)
+        report.json, report.html    the stage report (rewritten after capture and at exit)
 
-Every ``.py`` file is runnable (see :mod:`ppcompile.observe.runnable`). The same text is emitted through
-``torch._logging.trace_structured("artifact", ...)``, so ``TORCH_TRACE=dir`` + ``tlparse`` show it; the
-text is only built when a trace handler is installed.
+Every ``.py`` file runs with ``python FILE`` (see :mod:`ppcompile.observe.runnable`): its graph on random
+inputs, or, where the harness cannot run it (an engine's own attention), a message saying why. The same
+text is emitted through ``torch._logging.trace_structured("artifact", ...)``, so ``TORCH_TRACE=dir`` +
+``tlparse`` show it; the text is only built when a trace handler is installed.
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import torch
 from debug_helpers import compile_stage
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from ppcompile.observe.runnable import not_runnable_reason, runnable_source
 from ppcompile.passes.manager import PASSES
 
 
@@ -43,9 +45,10 @@ def test_stage_dump_layout(tmp_path: Path) -> None:
     assert [f for f in files if f.startswith("segments/")] == segments
     assert {"split_module.py", "runtime_code.txt", "report.json", "report.html"} <= set(files)
     code = (folder / "runtime_code.txt").read_text()
-    assert "def live_forward(args, env):" in code and "def graph_forward(" in code
+    assert "def live_forward(args, env):" in code and "def bind_graph_forward(" in code
+    assert "def graph_forward(args, env_n, n):" in code  # what a call runs, bound once per bucket
     for i, seg in enumerate(rt.segments):  # each segment called once per path: a replay or a call
-        assert code.count(f"replay(({i}, b)" if seg.is_graph else f"call_{i}(") == (1 if seg.is_graph else 2)
+        assert code.count(f"replay_{i}(" if seg.is_graph else f"call_{i}(") == (1 if seg.is_graph else 2)
     assert len(rt.segments) == 3 and [s.kind for s in rt.segments] == ["graph", "break", "graph"]
     for f in files:
         if f.endswith(".py"):
@@ -74,14 +77,78 @@ def test_segment_dump_runs_and_matches_the_segment(tmp_path: Path) -> None:
         assert torch.equal(g, w)
 
 
-def test_split_module_dump_imports_the_attention_op(tmp_path: Path) -> None:
-    """The split module runs up to the attention break, which needs the engine's forward context."""
+def test_split_module_dump_runs_in_a_made_up_forward_context(tmp_path: Path) -> None:
+    """The split module calls the reference attention, which reads a forward context: its harness makes
+    one up from the traced keys (one sequence, zeroed KV caches of the stage's layers) and runs in it."""
     stage = compile_stage({"dump_dir": str(tmp_path)})
     stage.call(10)
-    path = tmp_path / stage.runtime.name / "split_module.py"
-    assert "import ppcompile.models.attention  # registers ppcompile::attention" in path.read_text()
-    with pytest.raises(RuntimeError, match="without a forward context"):
+    rt = stage.runtime
+    path = tmp_path / rt.name / "split_module.py"
+    text = path.read_text()
+    assert "import ppcompile.models.attention  # registers ppcompile::attention" in text
+    assert not_runnable_reason(text) is None and "made-up forward context" in text.splitlines()[1]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
         runpy.run_path(str(path), run_name="__main__")
+    assert out.getvalue().splitlines()[0].startswith("0 (")
+    ns = runpy.run_path(str(path))
+    (sym,) = inspect.signature(ns["forward_context"]).parameters
+    inputs = ns["example_inputs"](**{sym: 12})
+    with torch.no_grad(), ns["forward_context"](**{sym: 12}) as ctx:
+        got = ns["make_module"]()(*inputs)
+        want = rt.split_module(*inputs)
+    assert sorted(ctx.kv_caches) == list(rt.layer_ids) and ctx.seq_lens == [12]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@torch.library.custom_op("dumptest::engine_attention", mutates_args=())
+def _engine_attention(q: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("reads an engine's forward context")
+
+
+@_engine_attention.register_fake
+def _(q: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def test_a_graph_calling_engine_state_ops_says_it_does_not_run(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's attention op (engine_ops.py) reads a context no dump can make up: the file says so in
+    its header and, run as a script, prints why and exits 0 instead of a traceback."""
+    from ppcompile.engine_ops import EngineOp, OpRole
+    from ppcompile.observe import runnable
+
+    entry = EngineOp(OpRole.ATTENTION, "vLLM", layer_arg="layer_name")
+    monkeypatch.setattr(runnable, "engine_op", lambda name: entry if name == "dumptest::engine_attention"
+                        else None)
+    def engine_graph(q: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dumptest.engine_attention(q) + 1
+
+    traced = make_fx(engine_graph, tracing_mode="fake")(torch.rand(4, 2))
+    traced.graph.output_node().type = None  # make_fx keeps the (string) return annotation: not Dynamo's way
+    gm = torch.fx.GraphModule(torch.nn.Module(), traced.graph)  # named GraphModule, as Dynamo's graphs are
+    text = runnable.runnable_source(gm, "engine graph")
+    why = not_runnable_reason(text)
+    assert why is not None and "dumptest::engine_attention reads vLLM's forward context" in why
+    path = tmp_path / "engine_graph.py"
+    path.write_text(text)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(path), run_name="__main__")
+    assert exited.value.code == 0 and out.getvalue() == f"not run: {why}\n"
+    ns = runpy.run_path(str(path))  # imported, the harness is there to call inside the engine's forward
+    assert [x.shape for x in ns["example_inputs"]()] == [(4, 2)] and callable(ns["make_module"])
+
+
+def test_a_graph_without_traced_values_has_no_harness_and_says_so() -> None:
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    text = runnable_source(gm, "traced without values")
+    assert (not_runnable_reason(text) or "").startswith("no harness")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+        exec(compile(text, "traced.py", "exec"), {"__name__": "__main__"})
+    assert exited.value.code == 0 and out.getvalue().startswith("not run: no harness")
 
 
 def test_stale_dumps_of_the_same_graph_are_removed(tmp_path: Path) -> None:
