@@ -1,8 +1,11 @@
 """A strict CUDA-capture double: torch's CUDA graph API on CPU tensors, with real capture's rules.
 
-Installed over ``torch.cuda`` (``StrictCuda.install(monkeypatch)``, or the ``strict_cuda`` fixture), it lets
-the CUDA path of the runtime (``CudaGraphExecutor``, ``StageInstance``, the generated per-call code) run
-in the CPU suite, holding it to what a GPU would:
+Handed to the executor as its CUDA API (``CudaGraphExecutor(cuda=strict_cuda.api)``; the ``strict_cuda``
+fixture also makes it the executor factory of every stage the backend builds with ``graph_mode="emulate"``,
+through ``runtime_helpers.executors_made_by``), it lets the CUDA path of the runtime (``CudaGraphExecutor``,
+``StageInstance``, the generated per-call code) run in the CPU suite, holding it to what a GPU would.
+Nothing of torch is patched: ``StrictCuda`` has ``torch.cuda``'s names (``Stream``, ``stream``,
+``CUDAGraph``, ``graph``, ``Event``, ``synchronize``, ``empty_cache``, ...), for a test's segments to call.
 
 * **A capture runs nothing.** Between ``capture_begin`` and ``capture_end`` every aten op is recorded, not
   run: a compute op's outputs are allocated from its meta kernel's shapes and strides and filled with
@@ -23,8 +26,9 @@ work that does not dispatch through aten (Inductor's CPU kernels run at capture 
 Inductor segments are held to the rules only by their aten calls, and their replays would miss them:
 use eager segments under the double) and copies from pageable host memory (on CPU every tensor is host
 memory; the compile-time capture rules flag them, and the GPU tests run the real thing). ``.tolist()``
-and ``.numpy()`` read memory without dispatching: the double replaces them while it captures, and they
-raise like a host read. A ``torch.library.custom_op`` runs its Python implementation under the double, as
+and ``.numpy()`` read memory without dispatching: a torch-function mode sees them while the double
+captures, and they raise like a host read. Code that calls ``torch.cuda`` itself, not the API it was
+given, is not seen. A ``torch.library.custom_op`` runs its Python implementation under the double, as
 a GPU runs its kernels at capture, so its aten ops and host reads are held too.
 """
 
@@ -38,10 +42,14 @@ from typing import Any
 
 import pytest
 import torch
+from runtime_helpers import executors_made_by
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ppcompile.backends import pp_breakable as backend
+from ppcompile.runtime.cuda_api import CudaApi
+from ppcompile.runtime.executors import GraphExecutor, make_executor
+from ppcompile.runtime.group_agreement import Agreement
 
 __all__ = ["CaptureViolation", "StrictCuda", "strict_cuda"]
 
@@ -90,19 +98,26 @@ def _host_scalar(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype in (torch.float64, torch.int64)
 
 
-def _host_read(api: StrictCuda, name: str) -> Any:
-    """``Tensor.<name>`` (``tolist``, ``numpy``), raising as a host read while ``api`` captures."""
-    original = getattr(torch.Tensor, name)
+_HOST_READS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy"}
 
-    def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if api.capturing is not None and not (
-                _host_scalar(self) and self.untyped_storage().data_ptr() not in api.captured_memory):
-            api.invalidated = True
+
+class _HostReads(TorchFunctionMode):
+    """``Tensor.tolist`` / ``numpy`` (which read memory without dispatching an aten op) raising as host
+    reads while ``api`` captures."""
+
+    def __init__(self, api: StrictCuda) -> None:
+        super().__init__()
+        self.api = api
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = _HOST_READS.get(func)
+        t = args[0] if args else None
+        if name is not None and not (
+                _host_scalar(t) and t.untyped_storage().data_ptr() not in self.api.captured_memory):
+            self.api.invalidated = True
             raise CaptureViolation(f"CUDA graph capture: Tensor.{name} reads a device value on the host "
                                    "(a sync); it cannot be captured")
-        return original(self, *args, **kwargs)
-
-    return read
+        return func(*args, **(kwargs or {}))
 
 
 def fill_garbage(t: torch.Tensor) -> None:
@@ -268,6 +283,7 @@ class StrictGraph:
         self.pool: Any = None
         self.stream: StrictStream | None = None
         self._mode: _Capturing | None = None
+        self._host_reads: _HostReads | None = None
         self._failed: BaseException | None = None
         api.graphs.append(self)
 
@@ -279,11 +295,15 @@ class StrictGraph:
         self.api.events.append("begin capture")
         self._mode = _Capturing(self.api, self)
         self._mode.__enter__()
+        self._host_reads = _HostReads(self.api)
+        self._host_reads.__enter__()
 
     def capture_end(self) -> None:
         assert self._mode is not None and self.api.capturing is self, "capture_end without capture_begin"
+        assert self._host_reads is not None
+        self._host_reads.__exit__(None, None, None)
         self._mode.__exit__(None, None, None)
-        self._mode = None
+        self._mode = self._host_reads = None
         self.api.capturing = None
         self.api.events.append("end capture")
         if self.api.invalidated:
@@ -322,6 +342,7 @@ class StrictCuda:
 
     def __post_init__(self) -> None:
         self.default = StrictStream(self, "default")
+        self.api = CudaApi(self)  # what CudaGraphExecutor(cuda=...) takes: this double's calls, bound
 
     def current_stream(self, device: Any = None) -> StrictStream:
         return self.stream_stack[-1] if self.stream_stack else self.default
@@ -338,72 +359,76 @@ class StrictCuda:
             raise CaptureViolation("CUDA graph capture: empty_cache while capturing")
         self.flushes += 1
 
-    def install(self, mp: pytest.MonkeyPatch) -> None:
-        """Replaces torch.cuda's graph, stream, event, sync and cache API, and lets stages compiled on CPU
-        tensors resolve to ``graph_mode="cuda"``."""
-        api = self
+    # ------------------------------------------------- torch.cuda's names, as CudaApi binds them
+    def current_device(self) -> int:
+        return 0
 
-        def graph_pool_handle() -> Any:
-            handle = ("pool", len(api.pools))
-            api.pools.append(handle)
-            return handle
+    @contextlib.contextmanager
+    def device(self, d: Any) -> Iterator[None]:
+        self.devices.append(d)
+        yield
 
-        def new_stream(*args: Any, **kwargs: Any) -> StrictStream:
-            s = StrictStream(api, f"side{len(api.streams)}")
-            api.streams.append(s)
-            return s
+    def graph_pool_handle(self) -> Any:
+        handle = ("pool", len(self.pools))
+        self.pools.append(handle)
+        return handle
 
-        @contextlib.contextmanager
-        def stream(s: StrictStream) -> Iterator[None]:
-            api.events.append(f"enter stream {s.name}")
-            api.stream_stack.append(s)
+    def Stream(self, *args: Any, **kwargs: Any) -> StrictStream:
+        s = StrictStream(self, f"side{len(self.streams)}")
+        self.streams.append(s)
+        return s
+
+    @contextlib.contextmanager
+    def stream(self, s: StrictStream) -> Iterator[None]:
+        self.events.append(f"enter stream {s.name}")
+        self.stream_stack.append(s)
+        try:
+            yield
+        finally:
+            self.stream_stack.pop()
+            self.events.append(f"exit stream {s.name}")
+
+    def CUDAGraph(self, *args: Any, **kwargs: Any) -> StrictGraph:
+        return StrictGraph(self)
+
+    def Event(self, *args: Any, **kwargs: Any) -> StrictEvent:
+        return StrictEvent(self, *args, **kwargs)
+
+    def synchronize(self, device: Any = None) -> None:
+        self.sync("torch.cuda.synchronize")
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing is not None
+
+    @contextlib.contextmanager
+    def graph(self, g: StrictGraph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
+        """``torch.cuda.graph`` as torch 2.11-2.13 enter it: a sync and a cache flush per capture."""
+        self.sync("torch.cuda.graph")
+        self.empty_cache()
+        with self.stream(stream if stream is not None else self.Stream()):
+            g.capture_begin(pool)
             try:
                 yield
             finally:
-                api.stream_stack.pop()
-                api.events.append(f"exit stream {s.name}")
+                g.capture_end()
 
-        @contextlib.contextmanager
-        def device(d: Any) -> Iterator[None]:
-            api.devices.append(d)
-            yield
-
-        @contextlib.contextmanager
-        def graph(g: StrictGraph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
-            """``torch.cuda.graph`` as torch 2.11-2.13 enter it: a sync and a cache flush per capture."""
-            api.sync("torch.cuda.graph")
-            api.empty_cache()
-            with torch.cuda.stream(stream if stream is not None else new_stream()):
-                g.capture_begin(pool)
-                try:
-                    yield
-                finally:
-                    g.capture_end()
-
-        mp.setattr(torch.cuda, "graph_pool_handle", graph_pool_handle)
-        mp.setattr(torch.cuda, "Stream", new_stream)
-        mp.setattr(torch.cuda, "stream", stream)
-        mp.setattr(torch.cuda, "current_stream", api.current_stream)
-        mp.setattr(torch.cuda, "current_device", lambda: 0)
-        mp.setattr(torch.cuda, "device", device)
-        mp.setattr(torch.cuda, "CUDAGraph", lambda *a, **k: StrictGraph(api))
-        mp.setattr(torch.cuda, "graph", graph)
-        mp.setattr(torch.cuda, "Event", lambda *a, **k: StrictEvent(api, *a, **k))
-        mp.setattr(torch.cuda, "synchronize", lambda *a, **k: api.sync("torch.cuda.synchronize"))
-        mp.setattr(torch.cuda, "empty_cache", api.empty_cache)
-        mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: api.capturing is not None)
-        for name in ("tolist", "numpy"):
-            mp.setattr(torch.Tensor, name, _host_read(api, name))
-        mp.setattr(backend, "resolve_graph_mode", lambda graph_mode, on_cuda: "cuda")
+    # ------------------------------------------------- the seam
+    def factory(self, mode: str, debug: bool, device: torch.device | None,
+                agreement: Agreement) -> GraphExecutor:
+        """An ``executors.ExecutorFactory``: the graph path of a stage on CPU tensors
+        (``graph_mode="emulate"``, or ``"cuda"``) is served by ``CudaGraphExecutor`` on this double."""
+        return make_executor("cuda" if mode == "emulate" else mode, debug, device, agreement, cuda=self.api)
 
 
 @pytest.fixture
-def strict_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[StrictCuda]:
-    """The double, installed for one test; its records (which hold the captured tensors, and through
-    them stage runtimes) are dropped after it, so later tests never see this test's runtimes."""
+def strict_cuda() -> Iterator[StrictCuda]:
+    """The double for one test: ``CudaGraphExecutor(cuda=strict_cuda.api)`` runs on it, and so does every
+    stage runtime the backend builds meanwhile with ``graph_mode="emulate"`` (its executor factory is
+    ``strict_cuda.factory``). Its records (which hold the captured tensors, and through them stage
+    runtimes) are dropped after the test, so later tests never see this test's runtimes."""
     api = StrictCuda()
-    api.install(monkeypatch)
-    yield api
+    with executors_made_by(api.factory):
+        yield api
     api.graphs.clear()
     api.captured_memory.clear()
     gc.collect()

@@ -3,12 +3,13 @@
 All three share one interface, so the runtime's data path (static buffers, copy-in, bridges, trims) is
 the same whichever runs the graphs:
 
-* ``CudaGraphExecutor``: one ``torch.cuda.CUDAGraph`` per (segment, bucket) in one shared memory pool;
-  warm-up runs on a side stream before capture; strong references to every tensor a graph reads except
-  graph outputs: once a bucket is captured, its outputs are held through non-owning tensors (vLLM's
-  weak references), so their blocks go back to the pool and the next (smaller) bucket's capture reuses
-  them. Graph memory is then about the largest bucket's, not the sum over buckets; a replay overwrites
-  other buckets' outputs, which the runtime never reads across calls (outputs last until the next call).
+* ``CudaGraphExecutor``: one ``CUDAGraph`` per (segment, bucket) in one shared memory pool, through the
+  ``CudaApi`` it is given (``cuda_api.py``); warm-ups on a side stream; strong references to every tensor
+  a graph reads except graph outputs: once a bucket is captured, its outputs are held through non-owning
+  tensors (vLLM's weak references), so their blocks go back to the pool and the next (smaller) bucket's
+  capture reuses them. Graph memory is then about the largest bucket's, not the sum over buckets; a replay
+  overwrites other buckets' outputs, which the runtime never reads across calls (outputs last until the
+  next call).
 * ``EmulatedGraphExecutor``: a graph's semantics without a GPU. Capture binds the segment to the exact
   input tensors and allocates its outputs once; replay reads only those inputs and writes only into
   those outputs. A runtime that forgets a copy-in, or hands out an output a later call overwrites,
@@ -36,9 +37,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from ppcompile.runtime.cuda_api import TORCH_CUDA, CudaApi
 from ppcompile.runtime.group_agreement import LOCAL, Agreement
 from ppcompile.runtime.static_buffers import strides_match
-from ppcompile.torch_internals import cuda_graph_capture, has_internal_overlap, storage_from_data_pointer
+from ppcompile.torch_internals import has_internal_overlap, storage_from_data_pointer
 
 _T = TypeVar("_T")
 
@@ -271,29 +273,30 @@ def non_owning(t: torch.Tensor) -> torch.Tensor:
 
 
 class CudaGraphExecutor(GraphExecutor):
-    """CUDA graphs in one shared pool on the stage's device; the runtime captures the largest bucket
-    first.
+    """CUDA graphs in one shared pool on the stage's device, the largest bucket captured first.
 
     Per (segment, bucket): warm-ups on the side stream, the capture on the same stream, then one replay.
     A capture records kernels without running them, so until that replay the segment's outputs hold
     whatever the pool's memory held; the next segment's warm-ups read them, and an index read from
     uninitialised memory (top-k ids, slot ids crossing segments) faults the device, an error that kills
     the process. Captures do not synchronize or flush the allocator's cache each (``torch.cuda.graph``
-    does, torch_internals.cuda_graph_capture): a run of captures flushes once, at its start.
+    does, torch_internals.cuda_graph_capture): a run of captures flushes once, at its start. Every CUDA
+    call goes through ``cuda`` (``cuda_api.CudaApi``; default ``torch.cuda``).
     """
 
     name = "cuda"
     shares_outputs = True
 
     def __init__(self, debug: bool = False, num_warmup: int = 2, device: torch.device | None = None,
-                 agreement: Agreement = LOCAL) -> None:
+                 agreement: Agreement = LOCAL, cuda: CudaApi = TORCH_CUDA) -> None:
         super().__init__(debug, agreement)
         self.num_warmup = num_warmup
+        self.cuda = cuda
         # The stage's device, not whichever is current when the stage is first called.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-        with torch.cuda.device(self.device):
-            self.pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream()
+        self.device = torch.device("cuda", cuda.current_device()) if device is None else device
+        with cuda.device(self.device):
+            self.pool = cuda.graph_pool_handle()
+            self._stream = cuda.Stream()
 
     @contextlib.contextmanager
     def capture_session(self) -> Iterator[None]:
@@ -301,10 +304,10 @@ class CudaGraphExecutor(GraphExecutor):
         allocator's cache flushed once at the start (blocks cached by eager work go back, so the graph
         pool can take that memory), then the collector kept off: with a graph per (segment, bucket),
         collections in between would dominate capture time (vLLM and SGLang freeze it too)."""
-        with torch.cuda.device(self.device):
-            torch.cuda.synchronize()
+        with self.cuda.device(self.device):
+            self.cuda.synchronize()
             gc.collect()
-            torch.cuda.empty_cache()
+            self.cuda.empty_cache()
             was_enabled = gc.isenabled()
             gc.disable()
             try:
@@ -317,22 +320,22 @@ class CudaGraphExecutor(GraphExecutor):
         self, key: Key, fn: SegmentFn, args: Sequence[Any], shapes: OutputShapes | None = None,
         strides: OutputStrides | None = None,
     ) -> tuple[Any, ...]:
-        stream = self._stream
-        graph = torch.cuda.CUDAGraph()
+        cuda, stream = self.cuda, self._stream
+        graph = cuda.CUDAGraph()
 
         def warm_up_and_capture() -> tuple[Any, ...]:
-            with torch.cuda.stream(stream):
+            with cuda.stream(stream):
                 for _ in range(self.num_warmup):
                     fn(*args)
-            with cuda_graph_capture(graph, self.pool, stream):
+            with cuda.capture(graph, self.pool, stream):
                 return tuple(fn(*args))
 
-        with torch.cuda.device(self.device):
-            current = torch.cuda.current_stream()
+        with cuda.device(self.device):
+            current = cuda.current_stream()
             stream.wait_stream(current)
             # Settled before the replay, which runs the segment's collectives (a capture only records).
             outputs = self._settled(warm_up_and_capture)
-            with torch.cuda.stream(stream):
+            with cuda.stream(stream):
                 graph.replay()  # the outputs get values before anything reads them (see the class doc)
             current.wait_stream(stream)
         self._captured[key] = _Captured(fn, tuple(args), outputs, graph)
@@ -341,10 +344,10 @@ class CudaGraphExecutor(GraphExecutor):
     def trial(self, run: Callable[[], Any]) -> None:
         """Runs ``run`` as a capture would (its failure diagnosed: ``capture_diagnosis``), into a graph
         that is dropped."""
-        with torch.cuda.device(self.device):
-            with cuda_graph_capture(torch.cuda.CUDAGraph(), self.pool, self._stream):
+        with self.cuda.device(self.device):
+            with self.cuda.capture(self.cuda.CUDAGraph(), self.pool, self._stream):
                 run()
-            torch.cuda.current_stream().wait_stream(self._stream)
+            self.cuda.current_stream().wait_stream(self._stream)
 
     def bucket_captured(self, bucket: int) -> dict[int, Any]:
         """Holds ``bucket``'s graph outputs (and later graphs' reads of them) through non-owning
@@ -373,10 +376,7 @@ class CudaGraphExecutor(GraphExecutor):
 
 
 EXECUTORS: dict[str, type[GraphExecutor]] = {
-    "cuda": CudaGraphExecutor,
-    "emulate": EmulatedGraphExecutor,
-    "eager": EagerExecutor,
-}
+    "cuda": CudaGraphExecutor, "emulate": EmulatedGraphExecutor, "eager": EagerExecutor}
 """The executor class of each resolved graph mode (``none`` has none: it captures nothing)."""
 
 
@@ -389,11 +389,11 @@ class ExecutorFactory(Protocol):
 
 
 def make_executor(mode: str, debug: bool, device: torch.device | None = None,
-                  agreement: Agreement = LOCAL) -> GraphExecutor:
-    """The executor for a resolved graph mode: ``cuda`` (its graphs on ``device``; None: the current
-    CUDA device), ``emulate`` or ``eager``; its captures are settled with ``agreement``."""
+                  agreement: Agreement = LOCAL, cuda: CudaApi = TORCH_CUDA) -> GraphExecutor:
+    """The executor for a resolved graph mode: ``cuda`` (its graphs on ``device``, None: the current
+    CUDA device, through the CUDA API ``cuda``), ``emulate`` or ``eager``; settled with ``agreement``."""
     if mode == "cuda":
-        return CudaGraphExecutor(debug, device=device, agreement=agreement)
+        return CudaGraphExecutor(debug, device=device, agreement=agreement, cuda=cuda)
     cls = EXECUTORS.get(mode)
     if cls is None:
         raise ValueError(f"pp_breakable: no executor for graph mode {mode!r}")

@@ -2,10 +2,11 @@
 
 The reference decoders (dense, MoE, top-k proxies, the engine-style attention ops: functional and
 out-variant ``ppcompile::attention``, vLLM's in-place ``fused_add_rms_norm``; dense and MoE also with
-stamped layers) and the Hugging Face families, compiled with ``graph_mode`` resolving to ``"cuda"``:
-``CudaGraphExecutor`` captures every bucket with captures that run nothing and refuse what real capture
-refuses, and each stage equals eager at 1 token, every bucket exactly, every bucket + 1, and above the
-cap. A capture run flushes the allocator cache once.
+stamped layers) and the Hugging Face families, compiled with ``graph_mode="emulate"`` (the graph path on
+CPU tensors), whose executors the double's factory makes: ``CudaGraphExecutor`` captures every bucket
+with captures that run nothing and refuse what real capture refuses, and each stage equals eager at 1
+token, every bucket exactly, every bucket + 1, and above the cap. A capture run flushes the allocator
+cache once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ppcompile.pipeline import InProcessPipeline
 from ppcompile.runtime.executors import CudaGraphExecutor
 
 SIZES = [4, 8, 16, 32]
+GRAPHED = {"graph_mode": "emulate"}  # the graph path; strict_cuda.factory serves it with CUDA graphs
 # 1 token (Dynamo specialises it: eager), each bucket exactly and + 1, above the cap.
 COUNTS = [1, *(n for b in SIZES for n in (b, b + 1) if n <= SIZES[-1]), SIZES[-1] + 1]
 ATOL = 1e-5
@@ -73,7 +75,7 @@ def test_reference_stages_capture_and_match_eager_at_every_bucket(strict_cuda: S
     cfg = REFERENCE_CONFIGS[cfg_name].replace(num_layers=4)
     old = ppcompile.stage_runtimes()
     eager = InProcessPipeline(cfg, 2, compiled=False)
-    graphed = InProcessPipeline(cfg, 2, compiled=True, options={"capture_sizes": SIZES})
+    graphed = InProcessPipeline(cfg, 2, compiled=True, options={"capture_sizes": SIZES, **GRAPHED})
     for n in COUNTS:
         ids, pos, _ = make_batch(cfg, [n], 0, 2, seed=n)
         proxies: object = None
@@ -103,7 +105,7 @@ def test_stamped_stages_capture_and_match_eager_at_every_bucket(strict_cuda: Str
     weights (graph inputs bound by the runtime), captured and replayed."""
     cfg = REFERENCE_CONFIGS[cfg_name].replace(num_layers=12)
     stage = ppcompile.trace_layers_once(make_stage(cfg, 1, 3), stamp=True)
-    got, want, runtime = run_middle_stage(stage, cfg, {"capture_sizes": SIZES}, COUNTS)
+    got, want, runtime = run_middle_stage(stage, cfg, {"capture_sizes": SIZES, **GRAPHED}, COUNTS)
     for n, g, w in zip(COUNTS, got, want):
         _assert_close(g, w, f"stamped {cfg_name} at {n} tokens")
     assert runtime.compiled.record.stamped_layers == 3 and runtime.compiled.bound_inputs
@@ -122,7 +124,8 @@ def test_hf_stages_capture_and_match_eager_at_every_bucket(strict_cuda: StrictCu
         pytest.skip(f"transformers {transformers.__version__} has no {TINY_FAMILIES[family][0]}")
     model = tiny_causal_lm(family, num_hidden_layers=2)
     old = ppcompile.stage_runtimes()
-    stages = [torch.compile(s, backend="pp_breakable", dynamic=True, options={"capture_sizes": SIZES[:3]})
+    options = {"capture_sizes": SIZES[:3], **GRAPHED}
+    stages = [torch.compile(s, backend="pp_breakable", dynamic=True, options=options)
               for s in make_hf_stages(model, 2)]
     for n in [8, 1, 4, 5, 9, 16, 17]:
         ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
@@ -132,7 +135,8 @@ def test_hf_stages_capture_and_match_eager_at_every_bucket(strict_cuda: StrictCu
         torch.testing.assert_close(logits, model(ids[None]).logits[0], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, n=n: f"{family}, {n} tokens: {m}")
     runtimes = _cuda_runtimes(old)
-    assert runtimes and all(rt.graph_mode == "cuda" for rt in runtimes)
+    assert runtimes and all(isinstance(state.executor, CudaGraphExecutor)
+                            for rt in runtimes for state in rt.instances())
     assert all(state.captured_buckets == tuple(SIZES[:3]) for rt in runtimes for state in rt.instances())
     assert strict_cuda.flushes == sum(len(rt.instances()) for rt in runtimes)
 
@@ -145,7 +149,8 @@ def test_stamped_hf_stages_capture_and_match_eager_at_every_bucket(strict_cuda: 
     if getattr(transformers, TINY_FAMILIES[family][0], None) is None:
         pytest.skip(f"transformers {transformers.__version__} has no {TINY_FAMILIES[family][0]}")
     stage = ppcompile.trace_layers_once(HFStage(tiny_causal_lm(family, num_hidden_layers=4).eval(), 0, 1))
-    (runtime,) = run_hf_stage(stage, {"capture_sizes": SIZES[:3]}, [1, 4, 5, 8, 9, 16, 17], family)
-    assert runtime.compiled.record.stamped_layers == stamped and runtime.graph_mode == "cuda"
+    (runtime,) = run_hf_stage(stage, {"capture_sizes": SIZES[:3], **GRAPHED}, [1, 4, 5, 8, 9, 16, 17], family)
+    assert runtime.compiled.record.stamped_layers == stamped
     (state,) = runtime.instances()
+    assert isinstance(state.executor, CudaGraphExecutor)
     assert state.captured_buckets == tuple(SIZES[:3]) and strict_cuda.flushes == 1

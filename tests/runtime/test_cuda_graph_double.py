@@ -1,6 +1,7 @@
 """``CudaGraphExecutor`` and the CUDA path of the runtime on CPU, under the strict capture double.
 
-``tests/cuda_double.py`` replaces torch's CUDA graph API: a capture records aten ops without running them
+``tests/cuda_double.py`` is the executor's CUDA API (``cuda=strict_cuda.api``; the executor factory of
+the stages compiled here with ``graph_mode="emulate"``): a capture records aten ops without running them
 (its outputs hold garbage until a replay), raises on what real capture rejects, and a replay runs the
 record on the captured tensors. So replays are numerically checkable, and a runtime that reads a
 capture's outputs before a replay, or lets a graph read anything but its captured tensors, fails here.
@@ -65,13 +66,13 @@ class _Segment:
 
 
 def test_make_executor_cuda_takes_one_pool(cuda: StrictCuda) -> None:
-    ex = make_executor("cuda", False)
+    ex = make_executor("cuda", False, cuda=cuda.api)
     assert isinstance(ex, CudaGraphExecutor) and ex.pool == cuda.pools[0] and len(cuda.pools) == 1
     assert ex.num_warmup >= 1
 
 
 def test_warmup_then_capture_then_one_replay_on_a_side_stream(cuda: StrictCuda) -> None:
-    ex = CudaGraphExecutor(num_warmup=3)
+    ex = CudaGraphExecutor(num_warmup=3, cuda=cuda.api)
     seg = _Segment(cuda)
     x = torch.randn(8, 4)
     y, _ = ex.capture((0, 8), seg, (x, W, 8))
@@ -93,9 +94,9 @@ def test_warmup_then_capture_then_one_replay_on_a_side_stream(cuda: StrictCuda) 
 
 def test_a_capture_alone_leaves_garbage_in_its_outputs(cuda: StrictCuda) -> None:
     """The double's capture runs nothing: what the executor's replay after capture is for."""
-    g = torch.cuda.CUDAGraph()
+    g = cuda.CUDAGraph()
     x = torch.arange(6.0).view(2, 3)
-    with torch.cuda.stream(torch.cuda.Stream()):
+    with cuda.stream(cuda.Stream()):
         g.capture_begin()
         y = x * 2
         i = x.long() + 1
@@ -107,7 +108,7 @@ def test_a_capture_alone_leaves_garbage_in_its_outputs(cuda: StrictCuda) -> None
 
 
 def test_every_capture_uses_the_same_pool_and_stream(cuda: StrictCuda) -> None:
-    ex = CudaGraphExecutor()
+    ex = CudaGraphExecutor(cuda=cuda.api)
     seg = _Segment(cuda)
     x = torch.randn(16, 4)
     for b in (16, 8, 4):
@@ -121,7 +122,7 @@ def test_every_capture_uses_the_same_pool_and_stream(cuda: StrictCuda) -> None:
 
 
 def test_replay_runs_the_graph_and_returns_captured_outputs(cuda: StrictCuda) -> None:
-    ex = CudaGraphExecutor()
+    ex = CudaGraphExecutor(cuda=cuda.api)
     seg = _Segment(cuda)
     x = torch.randn(8, 4)
     captured = ex.capture((0, 8), seg, (x, W, 8))
@@ -140,7 +141,7 @@ def test_replay_runs_the_graph_and_returns_captured_outputs(cuda: StrictCuda) ->
 
 
 def test_strong_references_to_captured_inputs(cuda: StrictCuda) -> None:
-    ex = CudaGraphExecutor()
+    ex = CudaGraphExecutor(cuda=cuda.api)
     seg = _Segment(cuda)
     x = torch.randn(8, 4)
     w = W.clone()
@@ -152,7 +153,7 @@ def test_strong_references_to_captured_inputs(cuda: StrictCuda) -> None:
 
 
 def test_debug_replay_rejects_other_inputs(cuda: StrictCuda) -> None:
-    ex = CudaGraphExecutor(debug=True)
+    ex = CudaGraphExecutor(debug=True, cuda=cuda.api)
     seg = _Segment(cuda)
     x = torch.randn(8, 4)
     ex.capture((1, 8), seg, (x, W, 8))
@@ -165,7 +166,7 @@ def test_debug_replay_rejects_other_inputs(cuda: StrictCuda) -> None:
 def test_a_captured_bucket_holds_its_outputs_through_non_owning_tensors(cuda: StrictCuda) -> None:
     """After ``bucket_captured`` nothing the executor keeps owns a graph output's memory (so the pool
     can hand it to the next bucket), yet replays still show through the same addresses."""
-    ex = CudaGraphExecutor()
+    ex = CudaGraphExecutor(cuda=cuda.api)
     seg = _Segment(cuda)
     x = torch.randn(8, 4)
     y, s = ex.capture((0, 8), seg, (x, W, 8))
@@ -233,7 +234,8 @@ class Stage(nn.Module):
 def cuda_stage(cuda: StrictCuda) -> tuple[Stage, Any]:
     m = Stage()
     c = torch.compile(m, backend="pp_breakable", dynamic=True, fullgraph=True,
-                      options={"capture_sizes": SIZES, "split_ops": ["pptest_rt::cg_mixer"]})
+                      options={"capture_sizes": SIZES, "split_ops": ["pptest_rt::cg_mixer"],
+                               "graph_mode": "emulate"})  # the graph path on CPU: CUDA graphs on the double
     return m, c
 
 
@@ -242,7 +244,7 @@ def test_runtime_captures_largest_bucket_first_in_one_pool(cuda: StrictCuda, cud
     x = torch.randn(5, H)
     torch.testing.assert_close(c(x), m(x))
     rt = symbolic_runtime(m)
-    assert rt.graph_mode == "cuda"
+    assert rt.graph_mode == "emulate"  # served by the double's factory (strict_cuda.factory)
     (state,) = rt.instances()
     ex = state.executor
     assert isinstance(ex, CudaGraphExecutor)
@@ -289,7 +291,7 @@ def test_runtime_replays_graphs_and_matches_eager(cuda: StrictCuda, cuda_stage: 
 def test_capture_session_keeps_the_collector_off(cuda: StrictCuda) -> None:
     import gc
 
-    ex = CudaGraphExecutor()
+    ex = CudaGraphExecutor(cuda=cuda.api)
     assert gc.isenabled()
     with ex.capture_session():
         assert not gc.isenabled()
@@ -314,16 +316,20 @@ def _lookup(ids: torch.Tensor, table: torch.Tensor, n: int) -> tuple[torch.Tenso
 
 
 class _NoReplayAfterCapture(CudaGraphExecutor):
-    """The executor as it was: warm-ups, then capture, nothing run in between."""
+    """The executor as it was: warm-ups, then capture (``torch.cuda.graph``), nothing run in between."""
+
+    def __init__(self, double: StrictCuda) -> None:
+        super().__init__(cuda=double.api)
+        self.double = double
 
     def capture(self, key: Any, fn: Any, args: Any, shapes: Any = None, strides: Any = None) -> Any:
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        stream.wait_stream(self.cuda.current_stream())
+        with self.cuda.stream(stream):
             for _ in range(self.num_warmup):
                 fn(*args)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        graph = self.cuda.CUDAGraph()
+        with self.double.graph(graph, pool=self.pool, stream=stream):
             outputs = tuple(fn(*args))
         self._captured[key] = _Captured(fn, tuple(args), outputs, graph)
         return outputs
@@ -333,11 +339,11 @@ def test_warm_ups_never_read_a_capture_that_did_not_run(cuda: StrictCuda) -> Non
     """Segment 1's warm-ups read segment 0's outputs: without a replay after capture they hold garbage,
     and an index read from it is out of bounds (on a GPU a device assert that kills the process)."""
     x = torch.randn(8, 4)
-    old = _NoReplayAfterCapture()
+    old = _NoReplayAfterCapture(cuda)
     (ids,) = old.capture((0, 8), _ids, (x, 8))
     with pytest.raises(IndexError):
         old.capture((1, 8), _lookup, (ids, TABLE, 8))
-    ex = CudaGraphExecutor()
+    ex = CudaGraphExecutor(cuda=cuda.api)
     (ids,) = ex.capture((0, 8), _ids, (x, 8))
     (rows,) = ex.capture((1, 8), _lookup, (ids, TABLE, 8))
     torch.testing.assert_close(rows, TABLE[_ids(x, 8)[0]])
@@ -348,11 +354,11 @@ def test_warm_ups_never_read_a_capture_that_did_not_run(cuda: StrictCuda) -> Non
 
 
 def test_torch_cuda_graph_flushes_per_capture_and_the_executor_does_not(cuda: StrictCuda) -> None:
-    old = _NoReplayAfterCapture()
+    old = _NoReplayAfterCapture(cuda)
     for b in (8, 4):
         old.capture((0, b), _ids, (torch.randn(b, 4), b))
     assert cuda.flushes == 2 and cuda.syncs == 2  # torch.cuda.graph: one flush and one sync per capture
-    ex = CudaGraphExecutor()
+    ex = CudaGraphExecutor(cuda=cuda.api)
     with ex.capture_session():
         for b in (16, 8, 4, 2):
             ex.capture((0, b), _ids, (torch.randn(b, 4), b))
@@ -360,7 +366,7 @@ def test_torch_cuda_graph_flushes_per_capture_and_the_executor_does_not(cuda: St
 
 
 def test_an_op_that_breaks_capture_is_the_error_not_capture_end(cuda: StrictCuda) -> None:
-    ex = CudaGraphExecutor()
+    ex = CudaGraphExecutor(cuda=cuda.api)
     with pytest.raises(CaptureViolation, match="_local_scalar_dense") as info:
         ex.capture((0, 8), lambda x: (x * x.sum().item(),), (torch.randn(8, 4),))
     notes = "\n".join(getattr(info.value, "__notes__", []))
@@ -369,27 +375,30 @@ def test_an_op_that_breaks_capture_is_the_error_not_capture_end(cuda: StrictCuda
     ex.capture((0, 4), lambda x: (x * 2,), (torch.randn(4, 4),))
 
 
-@pytest.mark.parametrize(("fn", "what"), [
-    (lambda x: (x.nonzero(),), "nonzero"),
-    (lambda x: (torch.masked_select(x, x > 0),), "masked_select"),
-    (lambda x: (torch.unique(x),), "_unique2"),
-    (lambda x: (x.long().flatten().abs().bincount(),), "bincount"),
-    (lambda x: (torch.repeat_interleave(x, (x[:, 0] > 0).long(), dim=0),), "repeat_interleave"),
-    (lambda x: (x + torch.rand(x.shape, generator=torch.Generator().manual_seed(0)),), "generator"),
-    (lambda x: (x * bool(x[0, 0] > 0),), "_local_scalar_dense"),
-    (lambda x: (torch.cuda.synchronize(), x)[1:], "synchronize"),
-    (lambda x: (torch.cuda.Event().query(), x)[1:], "Event.query"),
-    (lambda x: (torch.cuda.empty_cache(), x)[1:], "empty_cache"),
+@pytest.mark.parametrize(("fn", "what"), [  # fn(the CUDA API, x): a segment
+    (lambda c, x: (x.nonzero(),), "nonzero"),
+    (lambda c, x: (torch.masked_select(x, x > 0),), "masked_select"),
+    (lambda c, x: (torch.unique(x),), "_unique2"),
+    (lambda c, x: (x.long().flatten().abs().bincount(),), "bincount"),
+    (lambda c, x: (torch.repeat_interleave(x, (x[:, 0] > 0).long(), dim=0),), "repeat_interleave"),
+    (lambda c, x: (x + torch.rand(x.shape, generator=torch.Generator().manual_seed(0)),), "generator"),
+    (lambda c, x: (x * bool(x[0, 0] > 0),), "_local_scalar_dense"),
+    (lambda c, x: (x.tolist(), x)[1:], "Tensor.tolist"),
+    (lambda c, x: (x.numpy(), x)[1:], "Tensor.numpy"),
+    (lambda c, x: (c.synchronize(), x)[1:], "synchronize"),
+    (lambda c, x: (c.Event().query(), x)[1:], "Event.query"),
+    (lambda c, x: (c.empty_cache(), x)[1:], "empty_cache"),
 ])
 def test_what_real_capture_rejects_raises_naming_it(cuda: StrictCuda, fn: Any, what: str) -> None:
     with pytest.raises(CaptureViolation, match=what):
-        CudaGraphExecutor(num_warmup=0).capture((0, 8), fn, (torch.randn(8, 4),))
+        CudaGraphExecutor(num_warmup=0, cuda=cuda.api).capture((0, 8), lambda x: fn(cuda, x),
+                                                               (torch.randn(8, 4),))
 
 
 def test_what_capture_accepts_passes(cuda: StrictCuda) -> None:
     """The twins of the rejected ops: static sizes and the default generator."""
     x = torch.randn(8, 4)
-    ex = CudaGraphExecutor(num_warmup=0)
+    ex = CudaGraphExecutor(num_warmup=0, cuda=cuda.api)
     ex.capture((0, 8), lambda x: (torch.repeat_interleave(x, 2, dim=0),), (x,))
     ex.capture((1, 8), lambda x: (torch.repeat_interleave(x, torch.full((8,), 2), dim=0, output_size=16),),
                (x,))
@@ -398,18 +407,18 @@ def test_what_capture_accepts_passes(cuda: StrictCuda) -> None:
 
 
 def test_allocating_off_the_capture_stream_raises(cuda: StrictCuda) -> None:
-    other = torch.cuda.Stream()
+    other = cuda.Stream()
 
     def off_stream(x: torch.Tensor) -> tuple[torch.Tensor]:
-        with torch.cuda.stream(other):
+        with cuda.stream(other):
             return (x * 2,)
 
     with pytest.raises(CaptureViolation, match="runs on stream side0 while stream side1 captures"):
-        CudaGraphExecutor(num_warmup=0).capture((0, 8), off_stream, (torch.randn(8, 4),))
+        CudaGraphExecutor(num_warmup=0, cuda=cuda.api).capture((0, 8), off_stream, (torch.randn(8, 4),))
 
 
 def test_the_executor_works_on_the_stages_device(cuda: StrictCuda) -> None:
-    ex = make_executor("cuda", False, torch.device("cuda", 1))
+    ex = make_executor("cuda", False, torch.device("cuda", 1), cuda=cuda.api)
     assert isinstance(ex, CudaGraphExecutor) and ex.device == torch.device("cuda", 1)
     ex.capture((0, 8), _ids, (torch.randn(8, 4), 8))
     with ex.capture_session():
@@ -443,7 +452,7 @@ def test_a_failed_capture_names_the_op_and_the_node_then_serves_eagerly(cuda: St
     m = HostReadStage()
     c = torch.compile(m, backend="pp_breakable", dynamic=True, fullgraph=True,
                       options={"capture_sizes": SIZES, "split_ops": ["pptest_rt::cg_mixer"],
-                               "token_local_ops": ["pptest_rt::host_scaled"]})
+                               "token_local_ops": ["pptest_rt::host_scaled"], "graph_mode": "emulate"})
     x = torch.randn(5, H)
     with pytest.raises(RuntimeError) as info:
         c(x)
@@ -472,7 +481,7 @@ class _OtherRankFails(Agreement):
 def test_a_capture_is_settled_with_the_group_before_its_replay(cuda: StrictCuda) -> None:
     """The replay after capture runs the segment's collectives: a rank whose peer failed to capture must
     not launch them, so the failure is learnt before the replay and nothing is replayed."""
-    ex = CudaGraphExecutor(num_warmup=2, agreement=_OtherRankFails(cuda))
+    ex = CudaGraphExecutor(num_warmup=2, agreement=_OtherRankFails(cuda), cuda=cuda.api)
     with pytest.raises(GroupCaptureError, match=r"rank\(s\) \[1\]") as info:
         ex.capture((0, 8), _Segment(cuda), (torch.randn(8, 4), W, 8))
     assert info.value.ranks == [1]
