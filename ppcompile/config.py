@@ -42,14 +42,16 @@ def graph_path_mode(device_type: str) -> str:
     return "cuda" if device_type == "cuda" else "emulate"
 
 
-def resolve_graph_mode(graph_mode: str, on_cuda: bool) -> str:
+def resolve_graph_mode(graph_mode: str, on_cuda: bool, cuda_available: bool | None = None) -> str:
     """The graph mode a stage serves with, for ``graph_mode`` (an option) and whether its tensors are on
     a CUDA device: ``"auto"`` picks the fastest correct one, CUDA graphs for CUDA tensors (with a CUDA
-    runtime) and otherwise the live-size path ``"none"`` (on CPU there are no launches to save, and the
-    emulation of graphs only adds copy-in, padding and copies: docs/benchmarks.md); ``"cuda"`` off CUDA
-    is refused."""
+    runtime: ``cuda_available``, None asks ``torch.cuda.is_available()``) and otherwise the live-size
+    path ``"none"`` (on CPU there are no launches to save, and the emulation of graphs only adds copy-in,
+    padding and copies: docs/benchmarks.md); ``"cuda"`` off CUDA is refused."""
     if graph_mode == "auto":
-        return "cuda" if on_cuda and torch.cuda.is_available() else "none"
+        if cuda_available is None:
+            cuda_available = torch.cuda.is_available()
+        return "cuda" if on_cuda and cuda_available else "none"
     if graph_mode == "cuda" and not on_cuda:
         raise ValueError(
             "pp_breakable option 'graph_mode': got 'cuda' but the stage's tensors are not on a CUDA "

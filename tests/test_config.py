@@ -200,26 +200,27 @@ def test_auto_is_the_live_path_on_cpu() -> None:
     assert resolve_graph_mode("auto", on_cuda=False) == "none"
 
 
-def test_auto_is_cuda_graphs_for_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_graph_mode("auto", on_cuda=True) == "cuda"
+def test_auto_is_cuda_graphs_for_cuda_tensors() -> None:
+    assert resolve_graph_mode("auto", on_cuda=True, cuda_available=True) == "cuda"
 
 
-def test_auto_is_the_live_path_for_cpu_tensors_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_graph_mode("auto", on_cuda=False) == "none"
+def test_auto_is_the_live_path_for_cpu_tensors_on_a_gpu_machine() -> None:
+    assert resolve_graph_mode("auto", on_cuda=False, cuda_available=True) == "none"
 
 
-def test_auto_is_the_live_path_when_cuda_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_graph_mode("auto", on_cuda=True) == "none"
+def test_auto_is_the_live_path_when_cuda_is_unavailable() -> None:
+    assert resolve_graph_mode("auto", on_cuda=True, cuda_available=False) == "none"
+
+
+def test_auto_asks_torch_whether_cuda_is_available_when_not_told() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "none"
+    assert resolve_graph_mode("auto", on_cuda=True) == expected
 
 
 @pytest.mark.parametrize("mode", ["emulate", "eager", "none"])
-def test_an_explicit_mode_is_kept_on_any_device(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_graph_mode(mode, on_cuda=False) == mode
-    assert resolve_graph_mode(mode, on_cuda=True) == mode
+def test_an_explicit_mode_is_kept_on_any_device(mode: str) -> None:
+    assert resolve_graph_mode(mode, on_cuda=False, cuda_available=True) == mode
+    assert resolve_graph_mode(mode, on_cuda=True, cuda_available=True) == mode
 
 
 def test_explicit_cuda_on_cpu_tensors_names_the_modes_that_work() -> None:
