@@ -168,15 +168,30 @@ def _broken(data: bytes) -> Any:
     raise RuntimeError("made by another torch")
 
 
-@pytest.mark.parametrize("fails", [("warm_start.loads_aot",),
-                                   ("stored_graph.loads_compiled_stage", "stored_graph.loads_stage_graph")])
-def test_an_artifact_that_does_not_load_or_compile_again_is_dropped(
-        fails: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_artifact_that_does_not_load_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    stage = make_stage(CFG, 1, 2)
+    first = ppcompile.warm_compile(stage, OPTIONS)
+    _call(first, stage, 5)
+    _restart()
+    key = first.key
+    (entry,) = warm_cache.read_entries(key)
+    warm_cache.write_entries(key, [(b"not a Dynamo artifact", entry[1])])  # its modules unchanged
+    warm = ppcompile.warm_compile(stage, OPTIONS)
+    with caplog.at_level(logging.WARNING, logger="ppcompile.backends"):
+        _check(warm, stage, 5)
+    assert (warm.loaded, warm.compiled) == (0, 1) and "does not load" in caplog.text
+    assert [data for data, _ in warm_cache.read_entries(key)] != [b"not a Dynamo artifact"]  # replaced
+
+
+def test_an_artifact_that_does_not_compile_again_is_dropped(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Both stored forms inside the Dynamo artifact fail to restore (the loaders are reached only from
+    torch's load of the artifact and the compiled function's first call: patched)."""
     stage = make_stage(CFG, 1, 2)
     _call(ppcompile.warm_compile(stage, OPTIONS), stage, 5)
     _restart()
-    for name in fails:
-        monkeypatch.setattr(f"ppcompile.backends.{name}", _broken)
+    for name in ("loads_compiled_stage", "loads_stage_graph"):
+        monkeypatch.setattr(f"ppcompile.backends.stored_graph.{name}", _broken)
     warm = ppcompile.warm_compile(stage, OPTIONS)
     with caplog.at_level(logging.WARNING, logger="ppcompile.backends"):
         _check(warm, stage, 5)
