@@ -2,12 +2,12 @@
 
 ``make_graph_forward`` compiles ``bind_graph_forward``; a stage instance's ``GraphPath``
 (``graph_path.py``) calls it once per captured bucket with what that bucket never changes (its slot table,
-one replay callable per graph step, the fused copiers, the output ring, a cache of copy views) and keeps
-the function it returns, ``graph_forward(args, env_n, n)``: a call passes only the live inputs, the
-call's symbol values and its live token count. For the three-step program of ``codegen.py`` (a
-binding executor, one token dim per buffer, sizes the token symbol itself)::
+one replay callable per graph step, the fused copiers, the output ring, a cache of views, the padding
+marks) and keeps the function it returns, ``graph_forward(args, env_n, n)``: a call passes only the
+live inputs, the call's symbol values and its live token count. For the three-step program of
+``codegen.py`` (a binding executor, one token dim per buffer, sizes the token symbol itself)::
 
-    def bind_graph_forward(b, table, replays, copiers, ring, views):
+    def bind_graph_forward(b, table, replays, copiers, ring, views, marks):
         static = table
         replay_0, replay_2, = replays
         def graph_forward(args, env_n, n):
@@ -18,18 +18,18 @@ binding executor, one token dim per buffer, sizes the token symbol itself)::
                 if D is None:
                     if len(views) >= 64:
                         views.clear()
-                    D = views[n] = (static[0][:n], static[0][n:b], static[1][:n], static[1][n:b], ...)
-                dst0, pad0, dst1, pad1, dst5, pad5, = D
+                    D = views[n] = (static[0][:n], ..., static[3] if static[3].shape[0] == n else ...)
+                dst0, dst1, dst5, v3, = D
+                if marks[0] != n:
+                    zero_stale_rows(static[0], 0, n, b, marks, 0)
                 dst0.copy_(v0)
-                if b > n:
-                    pad0.zero_()
                 ...
                 step = 0
                 replay_0()
-                t = static[3]
-                v3 = t if t.shape[0] == n else t[:n]
                 step = 1
                 v5 = call_1(v3)
+                if marks[2] != n:
+                    zero_stale_rows(static[5], 0, n, b, marks, 2)
                 dst5.copy_(v5)
                 ...
             except BaseException as e:
@@ -51,11 +51,11 @@ import sympy
 from ppcompile.errors import add_note
 from ppcompile.runtime import static_buffers
 from ppcompile.runtime.codegen import _call_segment, _exec, _function, _outputs, _Sizes
-from ppcompile.runtime.program import CopyPoint, GraphStep, Program
+from ppcompile.runtime.program import CopyPoint, GraphStep, Program, Ref
 from ppcompile.symbolic import SizeFn
 
 __all__ = ["COPY_FUNCTIONS", "VIEW_CACHE", "CopyFunctions", "GraphForward", "GraphPathBinder",
-           "graph_forward_source", "make_graph_forward", "replay_passes_args"]
+           "graph_forward_source", "make_graph_forward", "pad_marks", "replay_passes_args"]
 
 GraphForward = Callable[[Sequence[Any], Mapping[sympy.Symbol, int], int], tuple[Any, ...]]
 GraphPathBinder = Callable[..., GraphForward]
@@ -128,13 +128,17 @@ def graph_forward_source(
     instead of a copy and a zeroing per tensor; its other buffers are filled by torch ops.
     """
     names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, "token": token,
-                             **(copies or COPY_FUNCTIONS)}
+                             "zero_stale_rows": static_buffers.zero_stale_rows, **(copies or COPY_FUNCTIONS)}
     live = _PathSizes("n", "env_n", names, token, "n")
     bucket = _PathSizes("b", "env_b", names, token, "b", fixed=True)
     body: list[str] = []
     # Unwrapped copy functions (no profiler): one-dim copies are written inline, not called.
     inline = all(names[k] is f for k, f in COPY_FUNCTIONS.items())
-    row_views: dict[int, tuple[int, str, str]] = {}  # slot -> (token dim, live size, bucket size)
+    row_views: dict[int, tuple[int, str, str | None]] = {}  # slot -> (token dim, live size, bucket size)
+    # Live views of a binding executor's table, made once per set of sizes: slot -> (token dim, live size).
+    live_views: dict[int, tuple[int, str, str]] = {}  # ... and the prefix of the name bound
+    marks = pad_marks(program, fused)
+    handed_out = {r.slot for r in program.outputs if isinstance(r, Ref)}  # fresh views: callers may restride
 
     def dims_of(slot: int) -> tuple[tuple[int, SizeFn], ...]:
         return program.token_dims.get(slot, ())
@@ -148,23 +152,35 @@ def graph_forward_source(
         elif len(dims) == 1:
             (d, size), = dims
             n, b = live(size), bucket(size)
-            if inline:  # static_buffers.copy_rows on views made once per set of sizes (_row_views)
-                row_views.setdefault(slot, (d, n, b))
-                body.extend([f"dst{slot}.copy_({src})", f"if {b} > {n}:", f"    pad{slot}.zero_()"])
+            k = marks.get(slot)
+            if k is not None:  # only rows an earlier call wrote past n are zeroed
+                body.extend([f"if marks[{k}] != {n}:",
+                             f"    zero_stale_rows(static[{slot}], {d}, {n}, {b}, marks, {k})"])
+            if inline:  # static_buffers.copy_rows on views made once per set of sizes (_cached_views)
+                row_views.setdefault(slot, (d, n, None if k is not None else b))
+                body.append(f"dst{slot}.copy_({src})")
+                if k is None:
+                    body.extend([f"if {b} > {n}:", f"    pad{slot}.zero_()"])
             else:
                 body.append(f"{kind}_rows({buf}, {src}, {d}, {n}, {b})")
         else:
             names[f"dims_{slot}"] = dims
             body.append(f"{kind}_in({buf}, {src}, dims_{slot}, env_n, env_b)")
 
-    def view(slot: int) -> None:
-        """``v<slot>``: the static value narrowed to the live size along its token dims."""
+    def view(slot: int, made: bool = False) -> None:
+        """``v<slot>``: the static value narrowed to the live size along its token dims (``made``: a
+        graph output, bound where the cached views are unpacked)."""
         dims = dims_of(slot)
         if not dims:
             body.append(f"v{slot} = static[{slot}]")
         elif len(dims) == 1:
             (d, size), = dims
             n = live(size)
+            if binds_inputs and slot not in handed_out:  # the table is the bucket's: views kept
+                live_views.setdefault(slot, (d, n, "v" if made else "w"))
+                if not made:
+                    body.append(f"v{slot} = w{slot}")
+                return
             body.extend([f"t = static[{slot}]",
                          f"v{slot} = t if t.shape[{d}] == {n} else t[{_leading(d, f':{n}')}]"])
         else:
@@ -203,7 +219,9 @@ def graph_forward_source(
             else:
                 body.append(f"o = replay_{step.index}({args})")
                 body += [f"static[{s}] = o[{i}]" for i, s in step.writes]
-            for s in (*step.live_views, *step.writes_buffers):
+            for s in step.live_views:
+                view(s, made=True)
+            for s in step.writes_buffers:
                 view(s)  # a static value the graph wrote in place: read back from its buffer
             body += [f"v{s} = static[{s}]" for s in step.live_values]
         else:
@@ -211,7 +229,7 @@ def graph_forward_source(
             body.append(_call_segment(step, args, names))
             if step.copies is not None:
                 fill_point(step.copies)
-    body[:0] = _row_views(row_views, set(bucket.bound.values()) | {"b"})
+    body[:0] = _cached_views(row_views, live_views, set(bucket.bound.values()) | {"b"})
     body += [f"args[{s}].copy_(v{s})" for s in program.written_inputs]  # the caller's tensor, as eager
     ring = program.output_ring
     if ring is not None:
@@ -227,7 +245,7 @@ def graph_forward_source(
     inner = _function("def graph_forward(args, env_n, n):", program.num_inputs, prologue, body,
                       "raised(e, step, n, b)", outputs)
     graph_steps = [f"replay_{st.index}" for st in program.graph_steps]
-    outer = ["def bind_graph_forward(b, table, replays, copiers, ring, views):"]
+    outer = ["def bind_graph_forward(b, table, replays, copiers, ring, views, marks):"]
     if binds_inputs:
         outer.append("    static = table")
     if graph_steps:
@@ -245,19 +263,52 @@ VIEW_CACHE = 64
 """Per bucket, how many sets of copy views (one per distinct set of live sizes) a graph path keeps."""
 
 
-def _row_views(row_views: Mapping[int, tuple[int, str, str]], fixed: set[str]) -> list[str]:
-    """Lines binding ``dst<slot>`` (the live rows) and ``pad<slot>`` (the padding rows up to the bucket)
-    of each static buffer filled along one token dim, made once per set of sizes and kept in ``views``
-    (the bucket's cache, keyed by the sizes that change per call; ``fixed``: those that do not): only
-    ``copy_`` and ``zero_`` are left per copy. The views are internal: only these copies write through
-    them, and nothing outside the call sees them."""
-    if not row_views:
+def pad_marks(program: Program, fused: bool) -> dict[int, int]:
+    """Static buffers whose padding rows only their copy points write, by slot: the index of the
+    buffer's entry in ``marks`` (bridges sharing a buffer share it), which bounds the rows written
+    since they were last zeroed (``static_buffers.zero_stale_rows``). Left out (zeroed up to the bucket
+    every call): buffers a graph writes in place (a replay writes whole buffers, padding included), with
+    other than one token dim, whose bucket views have per-bucket strides, or filled by a fused copier."""
+    plans = program.buffers
+    owner = {s: s if p.shares_with is None else p.shares_with for s, p in plans.items()}
+    dims: dict[int, set[int]] = {}
+    for s in plans:
+        token_dims = program.token_dims.get(s, ())
+        dims.setdefault(owner[s], set()).add(token_dims[0][0] if len(token_dims) == 1 else -1)
+    out = {owner[s] for st in program.graph_steps for s in st.writes_buffers if s in owner}
+    out |= {owner[s] for p in program.copy_points for s in p.fused} if fused else set()
+    out |= {owner[s] for s, p in plans.items() if p.per_bucket_strides} | {o for o, d in dims.items()
+                                                                          if len(d) > 1 or -1 in d}
+    index: dict[int, int] = {}
+    return {s: index.setdefault(owner[s], len(index)) for s in plans if owner[s] not in out}
+
+
+def _cached_views(row_views: Mapping[int, tuple[int, str, str | None]],
+                  live_views: Mapping[int, tuple[int, str, str]], fixed: set[str]) -> list[str]:
+    """Lines binding, per set of sizes, views made once and kept in ``views`` (the bucket's cache, keyed
+    by the sizes that change per call; ``fixed``: those that do not): ``dst<slot>`` (the live rows) and
+    ``pad<slot>`` (the padding rows up to the bucket, unless ``zero_stale_rows`` zeroes them) of each
+    static buffer filled along one token dim, and ``v<slot>`` (a graph output) or ``w<slot>`` (a buffer
+    a graph wrote): the live view of each table value breaks read (the value itself at the bucket's
+    size, as uncached). Breaks get the same view objects every call, as they always got the table's own
+    tensor at the bucket's size: a break must not restride its inputs in place."""
+    if not row_views and not live_views:
         return []
-    sizes = sorted({x for _, n, b in row_views.values() for x in (n, b)} - fixed)
+    sizes = sorted(({x for _, n, b in row_views.values() for x in (n, b) if x is not None}
+                    | {n for _, n, _ in live_views.values()}) - fixed)
     key = sizes[0] if len(sizes) == 1 else f"({', '.join(sizes)}{',' if sizes else ''})"
-    targets = ", ".join(f"dst{s}, pad{s}" for s in row_views)
-    made = ", ".join(f"static[{s}][{_leading(d, f':{n}')}], static[{s}][{_leading(d, f'{n}:{b}')}]"
-                     for s, (d, n, b) in row_views.items())
+    names: list[str] = []
+    views: list[str] = []
+    for s, (d, n, b) in row_views.items():
+        names.append(f"dst{s}")
+        views.append(f"static[{s}][{_leading(d, f':{n}')}]")
+        if b is not None:
+            names.append(f"pad{s}")
+            views.append(f"static[{s}][{_leading(d, f'{n}:{b}')}]")
+    for s, (d, n, v) in live_views.items():
+        names.append(f"{v}{s}")
+        views.append(f"static[{s}] if static[{s}].shape[{d}] == {n} else static[{s}][{_leading(d, f':{n}')}]")
+    targets, made = ", ".join(names), ", ".join(views)
     return [f"D = views.get({key})",
             "if D is None:",
             f"    if len(views) >= {VIEW_CACHE}:",

@@ -34,6 +34,7 @@ from ppcompile.runtime.graph_codegen import (
     GraphForward,
     GraphPathBinder,
     make_graph_forward,
+    pad_marks,
     replay_passes_args,
 )
 from ppcompile.runtime.program import CopyPoint, Program
@@ -84,12 +85,13 @@ class GraphPath:
     """One instance's graph path: ``path(args, env_n, n, b)`` serves a call at bucket ``b``, through the
     function bound for ``b`` at its first call (kept until the instance drops its table: :meth:`forget`)."""
 
-    __slots__ = ("_bound", "code", "copiers", "executor", "fresh_table", "graph_steps", "pass_args", "ring",
-                 "tables", "wrap_replay")
+    __slots__ = ("_bound", "code", "copiers", "executor", "fresh_table", "graph_steps", "marks", "pass_args",
+                 "ring", "tables", "wrap_replay")
 
     def __init__(self, code: GraphPathBinder, graph_steps: Sequence[int], tables: Mapping[int, list[Any]],
                  executor: GraphExecutor, copiers: Sequence[Copier | None] | None, pass_args: bool = False,
-                 ring: RingSlots | None = None, wrap_replay: Callable[..., Any] | None = None) -> None:
+                 ring: RingSlots | None = None, wrap_replay: Callable[..., Any] | None = None,
+                 marks: list[int] | None = None) -> None:
         self.code = code  # the generated ``bind_graph_forward``; its source is ``code.source``
         self.graph_steps = tuple(graph_steps)  # the step index of each replay ``code`` is bound with
         self.tables = tables  # bucket -> slot table (the instance's, filled as buckets are captured)
@@ -99,6 +101,9 @@ class GraphPath:
         self.pass_args = pass_args  # replays are handed their arguments
         self.ring = ring
         self.wrap_replay = wrap_replay  # instrumentation: wraps each replay callable
+        # Per static buffer, the rows written since last zeroed (``graph_codegen.pad_marks``): the
+        # instance's, shared by its plain and instrumented paths (they write the same buffers).
+        self.marks = [] if marks is None else marks
         self._bound: dict[int, GraphForward] = {}
 
     def describe(self) -> str:
@@ -120,7 +125,8 @@ class GraphPath:
                    else functools.partial(executor.replay, (i, b)) for i in self.graph_steps]
         if self.wrap_replay is not None:
             replays = [self.wrap_replay(r) for r in replays]
-        forward = self._bound[b] = self.code(b, self.tables[b], replays, self.copiers, self.ring, {})
+        forward = self._bound[b] = self.code(b, self.tables[b], replays, self.copiers, self.ring, {},
+                                               self.marks)
         return forward
 
     def forget(self, bucket: int | None = None) -> None:
@@ -135,14 +141,18 @@ class GraphPath:
 def bind_graph_path(program: Program, stage: str, token: sympy.Symbol, tables: Mapping[int, list[Any]],
                     executor: GraphExecutor, debug: bool, copiers: Sequence[Copier | None] | None,
                     copies: Mapping[str, Copier] = COPY_FUNCTIONS, ring: RingSlots | None = None,
-                    wrap_replay: Callable[..., Any] | None = None) -> GraphPath:
+                    wrap_replay: Callable[..., Any] | None = None,
+                    marks: list[int] | None = None) -> GraphPath:
     """Generates ``program``'s graph path for an instance (``copiers``: one per copy point, or None for
-    per-tensor torch ops; ``ring``: the instance's output ring, with ``output_ring``)."""
+    per-tensor torch ops; ``ring``: the instance's output ring, with ``output_ring``; ``marks``: the
+    instance's padding marks, new ones when None)."""
     pass_args = replay_passes_args(executor.binds_inputs, debug)
     code = make_graph_forward(program, stage, token, executor.binds_inputs, pass_args, copies,
                               fused=copiers is not None)
     graph_steps = [st.index for st in program.graph_steps]
-    return GraphPath(code, graph_steps, tables, executor, copiers, pass_args, ring, wrap_replay)
+    if marks is None:  # zero-filled buffers: no row written yet
+        marks = [0] * len(set(pad_marks(program, copiers is not None).values()))
+    return GraphPath(code, graph_steps, tables, executor, copiers, pass_args, ring, wrap_replay, marks)
 
 
 def instrumented_path(path: GraphPath, program: Program, stage: str, token: sympy.Symbol, wrap: Wrap,
@@ -159,4 +169,4 @@ def instrumented_path(path: GraphPath, program: Program, stage: str, token: symp
         for point, c in zip(program.copy_points, path.copiers))
     return bind_graph_path(dataclasses.replace(program, steps=steps), stage, token, path.tables,
                            path.executor, debug, copiers, copies, path.ring,
-                           wrap_replay=lambda replay: wrap("graph replays", replay))
+                           wrap_replay=lambda replay: wrap("graph replays", replay), marks=path.marks)

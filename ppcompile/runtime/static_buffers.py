@@ -19,7 +19,8 @@ from ppcompile.records import StaticBuffer
 from ppcompile.symbolic import SizeFn, size_expr
 
 __all__ = ["BufferPlan", "TensorLayout", "allocate", "bucket_view", "check_static_layout", "copy_in",
-           "copy_out", "copy_rows", "follows_token_count", "narrow_to", "non_overlapping", "strides_match"]
+           "copy_out", "copy_rows", "follows_token_count", "narrow_to", "non_overlapping", "strides_match",
+           "zero_stale_rows"]
 
 TokenDims = tuple[tuple[int, SizeFn], ...]
 Env = Mapping[sympy.Symbol, int]
@@ -204,6 +205,17 @@ def copy_rows(buf: torch.Tensor, src: torch.Tensor, dim: int, n: int, b: int) ->
     buf.narrow(dim, 0, n).copy_(src)
     if b > n:
         buf.narrow(dim, n, b - n).zero_()
+
+
+def zero_stale_rows(buf: torch.Tensor, dim: int, n: int, b: int, marks: list[int], k: int) -> None:
+    """Before ``n`` live rows are copied into ``buf`` (a bucket ``b`` view along ``dim``), zeroes the rows
+    ``n:b`` an earlier call left non-zero: ``marks[k]`` bounds the rows of the buffer's memory written
+    since they were last zeroed (every bucket's view starts at row 0), and becomes that bound after
+    this call (at least ``n``)."""
+    m = marks[k]
+    if m > n:
+        buf.narrow(dim, n, min(m, b) - n).zero_()
+    marks[k] = m if m > b else n
 
 
 def copy_in(buf: torch.Tensor, src: torch.Tensor, dims: TokenDims, env_live: Env, env_bucket: Env) -> None:

@@ -233,7 +233,7 @@ def test_graph_path_source_replays_each_graph_segment_once_in_order(
     source, _ = graph_forward_source(program, runtime.token_symbol, binds_inputs, pass_args)
     assert "for " not in source and "while " not in source
     # Bound once per bucket: the per-call function takes the live inputs, the call's symbols, n.
-    assert "def bind_graph_forward(b, table, replays, copiers, ring, views):" in source
+    assert "def bind_graph_forward(b, table, replays, copiers, ring, views, marks):" in source
     assert "    def graph_forward(args, env_n, n):" in source
     order = []
     for st in program.steps:
@@ -300,7 +300,7 @@ def test_a_program_without_steps_returns_its_inputs_and_constants() -> None:
     x = torch.ones(2)
     assert make_live_forward(program)((x,), {}) == (x, 3)
     bind = make_graph_forward(program, "stage", sympy.Symbol("s0"), True, False)
-    graph_forward = bind(2, [], (), None, None, {})  # bucket 2: its table, no replays, copiers or ring
+    graph_forward = bind(2, [], (), None, None, {}, [])  # bucket 2: its table, no replays, copiers, ring
     assert graph_forward((x,), {}, 2) == (x, 3)
 
 
