@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
+from mixer_runtime import seen_rows
 
 
 @pytest.fixture
@@ -15,3 +17,12 @@ def interpret(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPath
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("PPCOMPILE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ppcompile-cache"))
     yield
+
+
+@pytest.fixture
+def fresh_mixer(fresh_dynamo: None) -> Iterator[None]:
+    """For the mixer stage's tests (``mixer_runtime.py``): fresh Dynamo and counters (tests/conftest.py),
+    no rows seen yet, no autograd."""
+    seen_rows.clear()
+    with torch.no_grad():
+        yield

@@ -6,7 +6,6 @@ between ``StageRuntime`` (policy) and ``StageInstance`` (its own call and captur
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from mixer_runtime import (
     graph_steps,
     inputs,
     only_state,
-    seen_rows,
     symbolic_runtime,
 )
 from runtime_helpers import CaptureHooks, fail_at_bucket
@@ -31,13 +29,7 @@ from ppcompile.runtime import stage_runtime
 from ppcompile.runtime.executors import Key
 from ppcompile.runtime.stage_runtime import StageRuntime
 
-
-@pytest.fixture(autouse=True)
-def _fresh(fresh_dynamo: None) -> Iterator[None]:
-    """Fresh Dynamo and counters (tests/conftest.py), no rows seen yet, no autograd."""
-    seen_rows.clear()
-    with torch.no_grad():
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_mixer")
 
 
 def test_captures_largest_bucket_first() -> None:

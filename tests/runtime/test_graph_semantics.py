@@ -4,7 +4,6 @@ owned copies, debug's stale-output checks), and the instrumentation hook."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,19 +15,12 @@ from mixer_runtime import (
     compile_stage,
     inputs,
     only_state,
-    seen_rows,
     symbolic_runtime,
 )
 
 from ppcompile.runtime.executors import ReplayAddressError
 
-
-@pytest.fixture(autouse=True)
-def _fresh(fresh_dynamo: None) -> Iterator[None]:
-    """Fresh Dynamo and counters (tests/conftest.py), no rows seen yet, no autograd."""
-    seen_rows.clear()
-    with torch.no_grad():
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_mixer")
 
 
 def test_owned_outputs_do_not_share_storage_with_static_buffers() -> None:

@@ -6,7 +6,6 @@ failures: ``test_capture_policies.py``; graph semantics and output lifetimes: ``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,13 +31,7 @@ from ppcompile.debug import build_report, publish_report
 from ppcompile.models import REFERENCE_CONFIGS, make_forward_context, set_forward_context
 from ppcompile.runtime.executors import EagerExecutor, EmulatedGraphExecutor
 
-
-@pytest.fixture(autouse=True)
-def _fresh(fresh_dynamo: None) -> Iterator[None]:
-    """Fresh Dynamo and counters (tests/conftest.py), no rows seen yet, no autograd."""
-    seen_rows.clear()
-    with torch.no_grad():
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_mixer")
 
 
 # ----------------------------------------------------------------------------------------- numerics
