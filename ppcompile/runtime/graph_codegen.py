@@ -110,22 +110,23 @@ def graph_forward_source(
     copies: CopyFunctions | None = None, fused: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """The generated source of ``program``'s graph path and the globals it reads: ``bind_graph_forward(b,
-    table, replays, copiers, ring, views)`` binds what one bucket ``b`` never changes (its slot table,
-    a replay per graph step, the fused copiers, the output ring, its copy-view cache, the sizes of ``b``)
-    and returns ``graph_forward(args, env_n, n)``, which serves a call of ``n`` live tokens at ``b``.
+    table, replays, copiers, ring, views, marks)`` binds what one bucket ``b`` never changes (its slot
+    table, a replay per graph step, the fused copiers, the output ring, its copy-view cache, the
+    instance's padding marks, the sizes of ``b``) and returns ``graph_forward(args, env_n, n)``, which
+    serves a call of ``n`` live tokens at ``b``.
 
-    ``token``: the token symbol (``n`` and ``b`` are its values). ``binds_inputs``: the replays read
-    what they captured (a CUDA graph), so their outputs stay in the table; else each replay returns its
-    outputs, written into a per-call copy of the table. ``pass_args``: hand each replay its arguments (a
-    non-binding executor, or the debug address check); else a replay takes none. A call copies the live
-    inputs into their static buffers (zeroing the padding rows), replays graph segments, narrows what
-    breaks and callers read to the live size, runs breaks on live tensors and copies what graphs read
-    into static bridges; last, it copies each input a graph wrote in place back into the caller's
-    tensor, and with an ``output_ring``, each output in static memory into the ring's next slot (claimed
-    first: it waits for the sends still reading it). ``copies``: the copy functions (default
-    :data:`COPY_FUNCTIONS`; a profiler wraps them). ``fused``: each copy point (``Program.copy_points``)
-    fills its ``fused`` buffers with one call of its copier (``copy_<point>((v0, v1), (n, n), (b, b))``)
-    instead of a copy and a zeroing per tensor; its other buffers are filled by torch ops.
+    ``token``: the token symbol (``n`` and ``b`` are its values). ``binds_inputs``: the replays read what they
+    captured (a CUDA graph), so their outputs stay in the table; else each replay returns its outputs, written
+    into a per-call copy of the table. ``pass_args``: hand each replay its arguments (a non-binding executor,
+    or the debug address check); else a replay takes none. A call copies the live inputs into their static
+    buffers (zeroing the padding rows an earlier call wrote), replays graph segments, narrows what breaks and
+    callers read to the live size, runs breaks on live tensors and copies what graphs read into static
+    bridges; last, it copies each input a graph wrote in place back into the caller's tensor, and with an
+    ``output_ring``, each output in static memory into the ring's next slot (claimed first: it waits for the
+    sends still reading it). ``copies``: the copy functions (default :data:`COPY_FUNCTIONS`; a profiler wraps
+    them). ``fused``: each copy point (``Program.copy_points``) fills its ``fused`` buffers with one call of
+    its copier (``copy_<point>((v0, v1), (n, n), (b, b))``) instead of a copy and a zeroing per tensor; its
+    other buffers are filled by torch ops.
     """
     names: dict[str, Any] = {"narrow_to": static_buffers.narrow_to, "token": token,
                              "zero_stale_rows": static_buffers.zero_stale_rows, **(copies or COPY_FUNCTIONS)}
@@ -334,9 +335,10 @@ def make_graph_forward(program: Program, stage: str, token: sympy.Symbol, binds_
                        pass_args: bool, copies: CopyFunctions | None = None,
                        fused: bool = False) -> GraphPathBinder:
     """Compiles ``program``'s graph path (:func:`graph_forward_source`): ``bind(b, table, replays,
-    copiers, ring, views)`` returns the bucket's ``graph_forward(args, env_n, n)`` (``replays``: one
-    callable per graph step, in order; ``copiers``: one per ``Program.copy_points`` entry when
-    ``fused``; ``ring``: the instance's ``RingSlots``, or None; ``views``: a dict the bucket keeps), which
+    copiers, ring, views, marks)`` returns the bucket's ``graph_forward(args, env_n, n)`` (``replays``:
+    one callable per graph step, in order; ``copiers``: one per ``Program.copy_points`` entry when
+    ``fused``; ``ring``: the instance's ``RingSlots``, or None; ``views``: a dict the bucket keeps;
+    ``marks``: the instance's rows written per buffer, :func:`pad_marks`), which
     returns the stage's outputs at the live size (views into static memory)."""
     source, names = graph_forward_source(program, token, binds_inputs, pass_args, copies, fused)
     segments = tuple(st.segment.name for st in program.steps)
