@@ -12,6 +12,7 @@ from ppcompile.backends.bound_options import backend_with_options, register_back
 from ppcompile.backends.pp_breakable import pp_breakable, runtimes_of, stage_runtimes
 from ppcompile.backends.warm_cache import clear_warm_cache, warm_cache_dir
 from ppcompile.backends.warm_start import WarmStage, warm_compile
+from ppcompile.capturable import Metadata, Rows, declare_capturable
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.debug import DEBUG_HOOKS
@@ -36,10 +37,12 @@ __all__ = [
     "GroupCaptureError",
     "GroupDivergenceError",
     "InputMismatchError",
+    "Metadata",
     "PPBreakableConfig",
     "PPProxyTensors",
     "PaddingSafetyError",
     "ReplayAddressError",
+    "Rows",
     "StaleOutputError",
     "TokenHistogram",
     "TokenMarking",
@@ -47,6 +50,7 @@ __all__ = [
     "backend_with_options",
     "clear_warm_cache",
     "counters",
+    "declare_capturable",
     "eager_region",
     "fence_outputs",
     "layer_region_plans",

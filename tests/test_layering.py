@@ -30,9 +30,10 @@ NOT_FROM_OBSERVE = ("ppcompile.analysis", "ppcompile.passes", "ppcompile.backend
 NOT_FROM_DEBUG = ("ppcompile.passes", "ppcompile.backends")
 # The runtime records traffic (planning.traffic); planning the buckets is the compile side's.
 PLANNER = "ppcompile.planning.planner"
-# The top level keeps what everything imports; an idea of its own gets a wing (a subpackage).
-TOP_LEVEL = {"__init__", "__main__", "config", "counters", "engine_ops", "envs", "errors", "proxy", "records",
-             "symbolic"}
+# The top level keeps what everything imports and the declarations engines make (engine_ops, capturable);
+# an idea of its own gets a wing (a subpackage).
+TOP_LEVEL = {"__init__", "__main__", "capturable", "config", "counters", "engine_ops", "envs", "errors",
+             "proxy", "records", "symbolic"}
 # The commands (ppcompile.cli) drive everything else; only the ``python -m ppcompile`` entry may import them.
 CLI = "ppcompile.cli"
 CLI_ENTRY = "ppcompile.__main__"
