@@ -1,5 +1,7 @@
 """Reference PP-stage models: a packed-token Llama/Qwen-style decoder whose attention is an opaque
-custom op (``torch.ops.ppcompile.attention``) indexed by global layer id."""
+custom op (``torch.ops.ppcompile.attention``) indexed by global layer id, or, with
+``ModelConfig.paged_attention``, the capturable ``torch.ops.ppcompile.paged_attention`` over paged KV
+caches."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from ppcompile.models.attention import (
     set_forward_context,
 )
 from ppcompile.models.config import REFERENCE_CONFIGS, ModelConfig
-from ppcompile.models.stage import PPStage, get_pp_indices, make_batch, make_stage
+from ppcompile.models.paged_attention import PagedMetadata, make_paged_metadata, paged_positions
+from ppcompile.models.stage import PPStage, get_pp_indices, make_batch, make_paged_batch, make_stage
 from ppcompile.models.tensor_parallel import TensorParallel
 
 __all__ = [
@@ -18,11 +21,15 @@ __all__ = [
     "ForwardContext",
     "ModelConfig",
     "PPStage",
+    "PagedMetadata",
     "TensorParallel",
     "get_forward_context",
     "get_pp_indices",
     "make_batch",
     "make_forward_context",
+    "make_paged_batch",
+    "make_paged_metadata",
     "make_stage",
+    "paged_positions",
     "set_forward_context",
 ]

@@ -26,6 +26,10 @@ class ModelConfig:
     ``in_place_norm=True`` makes the fused-residual RMSNorm the in-place ``ppcompile::fused_add_rms_norm``
     (vLLM's ``fused_add_rms_norm``: writes ``hidden`` and ``residual``); a non-first stage's first layer
     then writes the proxies it received. Needs the fused residual and no compile regions.
+    ``paged_attention=True`` calls the capturable ``ppcompile::paged_attention`` (``models.paged_attention``)
+    instead: each attention layer holds a paged KV cache buffer ``kv_cache`` of ``kv_blocks`` blocks of
+    ``block_size`` slots, and the stage takes its metadata as ``attn_metadata`` (block tables of
+    ``blocks_per_request`` columns). Excludes ``attention_with_output`` and ``compile_regions``.
     """
 
     vocab_size: int = 256
@@ -48,10 +52,15 @@ class ModelConfig:
     in_place_norm: bool = False
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    paged_attention: bool = False
+    block_size: int = 4
+    blocks_per_request: int = 8
+    kv_blocks: int = 64
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                    "num_kv_heads", "head_dim", "max_position", "moe_intermediate_size")
+                    "num_kv_heads", "head_dim", "max_position", "moe_intermediate_size", "block_size",
+                    "blocks_per_request", "kv_blocks")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -82,6 +91,9 @@ class ModelConfig:
         if self.in_place_norm and (self.hidden_only or self.compile_regions):
             raise ValueError("ModelConfig.in_place_norm needs the fused residual (hidden_only=False) and no "
                              "compile_regions (a nested region cannot write its inputs)")
+        if self.paged_attention and (self.attention_with_output or self.compile_regions):
+            raise ValueError("ModelConfig.paged_attention excludes attention_with_output and compile_regions "
+                             "(the paged op returns its output and takes its metadata as arguments)")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"ModelConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
 

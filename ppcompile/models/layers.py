@@ -15,6 +15,7 @@ from torch import nn
 import ppcompile.models.attention  # noqa: F401  (registers torch.ops.ppcompile.attention)
 from ppcompile.analysis.token_locality import register_token_local_op
 from ppcompile.models.config import ModelConfig
+from ppcompile.models.paged_attention import PagedMetadata
 from ppcompile.models.tensor_parallel import NO_TP, TensorParallel
 
 __all__ = ["MLP", "Attention", "DecoderLayer", "MoE", "PPMissingLayer", "RMSNorm", "RotaryEmbedding"]
@@ -99,12 +100,20 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     """GQA self-attention whose core is the opaque ``torch.ops.ppcompile.attention`` op. With ``tp``, this
-    rank's ``1 / tp.size`` of the heads; the output projection's partial sums are all-reduced."""
+    rank's ``1 / tp.size`` of the heads; the output projection's partial sums are all-reduced.
+
+    With ``cfg.paged_attention`` the core is the capturable ``torch.ops.ppcompile.paged_attention`` over the
+    layer's own paged cache (the non-persistent buffer ``kv_cache``), its metadata passed as
+    ``attn_metadata``."""
+
+    kv_cache: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel = NO_TP) -> None:
         super().__init__()
         self.layer_id = int(layer_id)  # GLOBAL layer id, a python int constant in the graph
         self.with_output = cfg.attention_with_output
+        self.paged = cfg.paged_attention
+        self.block_size = cfg.block_size
         self.tp = tp
         self.num_heads = tp.part(cfg.num_heads)
         self.num_kv_heads = tp.part(cfg.num_kv_heads)
@@ -114,6 +123,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+        if self.paged:
+            cache = torch.zeros(cfg.kv_blocks * cfg.block_size, 2, self.num_kv_heads, cfg.head_dim,
+                                dtype=cfg.dtype)
+            self.register_buffer("kv_cache", cache, persistent=False)
 
     def qkv(
         self, positions: torch.Tensor, hidden: torch.Tensor
@@ -126,10 +139,19 @@ class Attention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         return q, k, v.contiguous()
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_metadata: PagedMetadata | None = None) -> torch.Tensor:
         """The attention op itself, for this layer's global id: ``[T, Hq * D]`` (written into a tensor
-        allocated here with ``cfg.attention_with_output``)."""
-        if self.with_output:
+        allocated here with ``cfg.attention_with_output``; the paged op reads ``attn_metadata``)."""
+        if self.paged:
+            if attn_metadata is None:
+                raise ValueError(f"Attention (layer {self.layer_id}): cfg.paged_attention needs "
+                                 "attn_metadata (a models.paged_attention.PagedMetadata), got None")
+            m = attn_metadata
+            out = torch.ops.ppcompile.paged_attention(q, k, v, self.kv_cache, m.query_start_loc, m.seq_lens,
+                                                      m.block_table, m.slot_mapping, self.layer_id,
+                                                      self.block_size)
+        elif self.with_output:
             out = torch.empty_like(q)
             torch.ops.ppcompile.attention_with_output(q, k, v, out, self.layer_id)
         else:
@@ -140,8 +162,9 @@ class Attention(nn.Module):
         """The output projection of the attention op's ``out`` (summed over the TP group)."""
         return self.tp.all_reduce(self.o_proj(out))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.project(self.attend(*self.qkv(positions, hidden)))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                attn_metadata: PagedMetadata | None = None) -> torch.Tensor:
+        return self.project(self.attend(*self.qkv(positions, hidden), attn_metadata))
 
 
 class MLP(nn.Module):
@@ -252,7 +275,8 @@ class DecoderLayer(nn.Module):
                                else MLP(cfg.hidden_size, cfg.intermediate_size, tp))
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None = None
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None = None,
+        attn_metadata: PagedMetadata | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.compile_regions and self.hidden_only:
             out = self.self_attn.attend(*_before_attention_hidden_only(self, positions, hidden))
@@ -261,14 +285,14 @@ class DecoderLayer(nn.Module):
             q, k, v, residual = _before_attention(self, positions, hidden, residual)
             return _after_attention(self, self.self_attn.attend(q, k, v), residual)
         if self.hidden_only:
-            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
             return hidden + self.mlp(self.post_attention_layernorm(hidden))
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

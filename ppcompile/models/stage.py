@@ -10,10 +10,11 @@ from torch import nn
 
 from ppcompile.models.config import ModelConfig
 from ppcompile.models.layers import DecoderLayer, PPMissingLayer, RMSNorm
+from ppcompile.models.paged_attention import PagedMetadata, make_paged_metadata, paged_positions
 from ppcompile.models.tensor_parallel import NO_TP, TensorParallel, shard_state_dict
 from ppcompile.proxy import PPProxyTensors
 
-__all__ = ["PPStage", "get_pp_indices", "make_batch", "make_stage"]
+__all__ = ["PPStage", "get_pp_indices", "make_batch", "make_paged_batch", "make_stage"]
 
 
 def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -98,8 +99,12 @@ class PPStage(nn.Module):
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         pp_proxy_tensors: PPProxyTensors | None = None,
+        attn_metadata: PagedMetadata | None = None,
     ) -> torch.Tensor | PPProxyTensors:
         cfg = self.config
+        if cfg.paged_attention and attn_metadata is None:
+            raise ValueError(f"PPStage rank {self.pp_rank}/{self.pp_size}: cfg.paged_attention needs "
+                             "attn_metadata (models.paged_attention.PagedMetadata), got None")
         residual: torch.Tensor | None = None
         if self.embed_tokens is not None:
             if input_ids is None:
@@ -114,9 +119,9 @@ class PPStage(nn.Module):
 
         for i in range(self.start_layer, self.end_layer):
             if cfg.hidden_only:
-                hidden = self.layers[i](positions, hidden)
+                hidden = self.layers[i](positions, hidden, attn_metadata=attn_metadata)
             else:
-                hidden, residual = self.layers[i](positions, hidden, residual)
+                hidden, residual = self.layers[i](positions, hidden, residual, attn_metadata)
 
         if self.norm is not None and self.lm_head is not None:
             normed = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
@@ -224,3 +229,22 @@ def make_batch(
             tensors["topk_indices"] = idx.to(device, torch.int32)
         proxies = PPProxyTensors(tensors)
     return input_ids, positions, proxies
+
+
+def make_paged_batch(
+    cfg: ModelConfig,
+    new_lens: Sequence[int],
+    prefix_lens: Sequence[int] | None,
+    pp_rank: int,
+    pp_size: int,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    shuffle_seed: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, PPProxyTensors | None, PagedMetadata]:
+    """:func:`make_batch` for ``new_lens`` new tokens after ``prefix_lens`` cached ones (default 0), with
+    absolute positions and the paged metadata of ``cfg``'s cache (``make_paged_metadata``)."""
+    input_ids, _, proxies = make_batch(cfg, new_lens, pp_rank, pp_size, seed, device)
+    meta = make_paged_metadata(new_lens, prefix_lens, block_size=cfg.block_size,
+                               blocks_per_request=cfg.blocks_per_request, num_blocks=cfg.kv_blocks,
+                               device=device, shuffle_seed=shuffle_seed)
+    return input_ids, paged_positions(new_lens, prefix_lens, device), proxies, meta
