@@ -17,12 +17,16 @@ import torch
 from ppcompile import envs
 from ppcompile.engine_ops import refuse_token_local
 
-__all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS", "PPBreakableConfig",
-           "default_capture_ladder", "graph_path_mode", "is_process_group", "live_mode_reason",
-           "resolve_graph_mode"]
+__all__ = ["DEFAULT_MAX_CAPTURE_TOKENS", "DEFAULT_WHOLE_GRAPH_TOKENS", "GRAPH_MODES", "SEGMENT_COMPILERS",
+           "PPBreakableConfig", "default_capture_ladder", "graph_path_mode", "is_process_group",
+           "live_mode_reason", "resolve_graph_mode"]
 
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
 """Last size where the seed engine change measured graphs ahead of eager on a PP stage."""
+
+DEFAULT_WHOLE_GRAPH_TOKENS = 256
+"""Whole-stage graphs up to this many tokens, where breaks' host gaps dominate a forward: the region
+SGLang's full prefill graphs and sfllm measured ahead; not yet measured on ppcompile (docs/benchmarks.md)."""
 
 DEFAULT_FOLD_GRAPH_OPS = 2
 """Graph segments between two breaks with at most this many ops that launch kernels are folded into one
@@ -152,6 +156,10 @@ class PPBreakableConfig:
             capture that fails, a capture budget) are agreed with a few collectives at capture time,
             none per forward. Default: the group the stage's traced collectives name; a stage that calls
             ``collective_ops`` in a world of more than one rank must be given it.
+        whole_graph_tokens: a stage whose every break is an op declared capturable
+            (``ppcompile.declare_capturable``) serves forwards of up to this many tokens with one graph
+            per bucket, its breaks inside (``runtime/whole_stage.py``); larger ones take the breakable
+            path. 0: never. Stages with an undeclared break are breakable at every size.
     """
 
     capture_sizes: tuple[int, ...] | None = None
@@ -175,6 +183,7 @@ class PPBreakableConfig:
     output_slots: int = 1
     collective_ops: tuple[Any, ...] = ()
     tp_group: Any = None
+    whole_graph_tokens: int = DEFAULT_WHOLE_GRAPH_TOKENS
 
     def __post_init__(self) -> None:
         if self.capture_sizes is not None:
@@ -187,6 +196,9 @@ class PPBreakableConfig:
         mct = self.max_capture_tokens
         if isinstance(mct, bool) or not isinstance(mct, int) or mct < 1:
             _bad("max_capture_tokens", mct, "a positive int")
+        wgt = self.whole_graph_tokens
+        if isinstance(wgt, bool) or not isinstance(wgt, int) or wgt < 0:
+            _bad("whole_graph_tokens", wgt, "an int >= 0 (0: no whole-stage graphs)")
         for key in _OP_LISTS:
             object.__setattr__(self, key, _checked_ops(key, getattr(self, key)))
         if self.tp_group is not None and not is_process_group(self.tp_group):

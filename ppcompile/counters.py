@@ -1,21 +1,20 @@
 """Process-wide counters of what compiled stages did, for tests, logs and benchmarks.
 
-``replays`` and ``eager_runs`` count stage forwards (one per call of a compiled stage) by the path that
-served them; ``replays_by_bucket`` splits replays by bucket; ``captures`` counts captured (segment,
-bucket) graphs; ``backend_compiles`` counts calls of the backend by Dynamo; ``segment_compiles`` counts
-graph segments actually compiled (unique structures; eager segments compile nothing) and
-``segment_cache_hits`` the segments that reused an artifact of the same structure;
-``eager_code_reuses`` the eager segments that run an alike segment's generated code; ``fall_offs`` counts,
-by cause, the stage graphs whose forwards stopped reaching the graph path for a reason other than the
-documented policy (``StageRuntime.fall_offs()``: one warning per module and cause, however many stage
-graphs Dynamo recompiles for it);
-``input_recompiles`` counts stage graphs Dynamo recompiled for inputs of another structure than the
-first call's (a proxy key gone or new, a dtype, device or rank: most likely a bad input), and failed
-recompiles of a stage frame (its trace raised, as for a missing proxy key);
-``token_count_mismatches`` counts forwards whose inputs marked dynamic one by one, served as one token
-count, differed in size (run eagerly, ``runtime/token_counts.py``);
-``fence_waits`` counts, by kind of fence, the send fences a stage waited before reusing an output ring
-slot (``ppcompile.fence_outputs``).
+``replays`` and ``eager_runs`` count stage forwards (one per call of a compiled stage) by the path that served
+them; ``whole_replays`` counts the replays that were whole-stage graphs (one graph per bucket, breaks inside:
+``runtime/whole_stage.py``); ``replays_by_bucket`` splits replays by bucket; ``captures`` counts captured
+(segment, bucket) graphs, a whole-stage graph as one; ``backend_compiles`` counts calls of the backend by
+Dynamo; ``segment_compiles`` counts graph segments actually compiled (unique structures; eager segments
+compile nothing) and ``segment_cache_hits`` the segments that reused an artifact of the same structure;
+``eager_code_reuses`` the eager segments that run an alike segment's generated code; ``fall_offs`` counts, by
+cause, the stage graphs whose forwards stopped reaching the graph path for a reason other than the documented
+policy (``StageRuntime.fall_offs()``: one warning per module and cause, however many stage graphs Dynamo
+recompiles for it); ``input_recompiles`` counts stage graphs Dynamo recompiled for inputs of another structure
+than the first call's (a proxy key gone or new, a dtype, device or rank: most likely a bad input), and failed
+recompiles of a stage frame (its trace raised, as for a missing proxy key); ``token_count_mismatches`` counts
+forwards whose inputs marked dynamic one by one, served as one token count, differed in size (run eagerly,
+``runtime/token_counts.py``); ``fence_waits`` counts, by kind of fence, the send fences a stage waited before
+reusing an output ring slot (``ppcompile.fence_outputs``).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ __all__ = ["Counters", "counters"]
 @dataclasses.dataclass
 class Counters:
     replays: int = 0
+    whole_replays: int = 0
     eager_runs: int = 0
     captures: int = 0
     backend_compiles: int = 0

@@ -66,6 +66,7 @@ GOOD: dict[str, list[Any]] = {
     "on_unsafe": ["break", "error"],
     "token_local_ops": [[], ["mylib::rowwise"], (torch.relu,)],
     "fold_graph_ops": [0, 3, 100],
+    "whole_graph_tokens": [0, 64, 512],
     "copy_kernel": ["auto", "triton", "torch"],
     "capture": ["all", "lazy"],
     "capture_budget_s": [None],  # a number needs capture="lazy": below
@@ -89,6 +90,7 @@ BAD: dict[str, list[Any]] = {
     "on_unsafe": ["eager", "Error", None],
     "token_local_ops": ["mylib::rowwise", ["rowwise"], 3],
     "fold_graph_ops": [-1, 1.5, "3", True, None],
+    "whole_graph_tokens": [-1, 2.5, "64", True, None],
     "copy_kernel": ["cuda", None, 1],
     "capture": ["eager", "Lazy", None],
     "capture_budget_s": [0, -1.0, "5", True, 5.0],  # 5.0: needs capture="lazy"

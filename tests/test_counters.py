@@ -10,8 +10,9 @@ from ppcompile.counters import Counters, counters
 
 def test_package_exports_the_process_wide_counters() -> None:
     assert ppcompile.counters is counters
-    assert counters.snapshot() == {"replays": 0, "eager_runs": 0, "captures": 0, "backend_compiles": 0,
-                                   "segment_compiles": 0, "segment_cache_hits": 0, "eager_code_reuses": 0,
+    assert counters.snapshot() == {"replays": 0, "whole_replays": 0, "eager_runs": 0, "captures": 0,
+                                   "backend_compiles": 0, "segment_compiles": 0, "segment_cache_hits": 0,
+                                   "eager_code_reuses": 0,
                                    "input_recompiles": 0, "token_count_mismatches": 0,
                                    "replays_by_bucket": {},
                                    "fall_offs": {}, "fence_waits": {}}

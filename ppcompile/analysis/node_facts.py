@@ -36,6 +36,8 @@ meta key (accessor)     what it says                          written by        
 (``PADDING_UNSAFE``)    rows                                                         split_at_breaks
 ``pp_capture_unsafe``   why CUDA graph capture rejects the    check_capture_safety   split_at_breaks
 (``CAPTURE_UNSAFE``)    node
+``pp_break_cause``      why the node itself breaks (a node    split_at_breaks        lowering.whole_stage
+(``BREAK_CAUSE``)       folded into a break has none)
 ``pp_segment``          the segment a ``call_module`` node    split_at_breaks        lift_static_inputs,
 (``SEGMENT``)           of the split graph runs                                      segment_compilers,
                                                                                      lowering.program
@@ -59,10 +61,11 @@ from typing import Any, Generic, TypeVar
 import sympy
 import torch
 
-from ppcompile.records import Collective, Segment, StaticBuffer
+from ppcompile.records import BreakReason, Collective, Segment, StaticBuffer
 
 __all__ = [
     "BOUND_WEIGHT",
+    "BREAK_CAUSE",
     "CAPTURE_UNSAFE",
     "COLLECTIVE",
     "EAGER_REGION",
@@ -129,6 +132,7 @@ EAGER_REGION: NodeFact[str] = NodeFact("pp_eager_region", "find_declared_regions
 COLLECTIVE: NodeFact[Collective] = NodeFact("pp_collective", "find_collectives")
 PADDING_UNSAFE: NodeFact[str] = NodeFact("pp_unsafe", "check_padding_safety")
 CAPTURE_UNSAFE: NodeFact[str] = NodeFact("pp_capture_unsafe", "check_capture_safety")
+BREAK_CAUSE: NodeFact[BreakReason] = NodeFact("pp_break_cause", "split_at_breaks")
 SEGMENT: NodeFact[Segment] = NodeFact("pp_segment", "split_at_breaks")
 STATIC_BUFFER: NodeFact[StaticBuffer] = NodeFact("pp_static_buffer", "lift_static_inputs")
 WRITTEN_ARGS: NodeFact[tuple[int, ...]] = NodeFact("pp_written_args", "lift_static_inputs")
@@ -137,7 +141,7 @@ WRITTEN_ARGS: NodeFact[tuple[int, ...]] = NodeFact("pp_written_args", "lift_stat
 FACTS: tuple[NodeFact[Any], ...] = (
     BOUND_WEIGHT,
     TOKEN_DIMS, SIZE_EXPR, LAYER_ID, TOKEN_LOCAL, EAGER_REGION, COLLECTIVE, PADDING_UNSAFE,
-    CAPTURE_UNSAFE, SEGMENT, STATIC_BUFFER, WRITTEN_ARGS,
+    CAPTURE_UNSAFE, BREAK_CAUSE, SEGMENT, STATIC_BUFFER, WRITTEN_ARGS,
 )
 
 

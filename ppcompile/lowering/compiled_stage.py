@@ -18,6 +18,7 @@ import torch
 
 from ppcompile.config import PPBreakableConfig, live_mode_reason
 from ppcompile.lowering.program import build_program
+from ppcompile.lowering.whole_stage import plan_whole_stage
 from ppcompile.passes.context import PassContext, StaticInputPlan
 from ppcompile.records import InputKind, SegmentCompile
 from ppcompile.runtime.buckets import BucketPlan, make_bucket_plan
@@ -139,6 +140,7 @@ def lower_stage(
     plan = make_bucket_plan(config, _admitted_by(ctx))
     policy = _policy_reason(ctx, program, config, graph_mode)
     never_graphs = policy is None and not plan.sizes  # a fall-off, not a policy: the runtime warns
+    whole, whole_reason = plan_whole_stage(split, program, ctx, config) if policy is None else (None, None)
     return CompiledStage(
         name=name,
         graph_mode=graph_mode,
@@ -161,6 +163,8 @@ def lower_stage(
         bound_inputs=tuple(ctx.bound_inputs),
         input_names=tuple(n.name for n in split.graph.find_nodes(op="placeholder")),
         merged_token_dims=ctx.merged_token_dims,
+        whole=whole,
+        whole_reason=whole_reason,
         record=CompileRecord(
             split_module=split,
             pass_times=types.MappingProxyType(dict(ctx.pass_times)),

@@ -45,6 +45,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from ppcompile.analysis.node_facts import (
+    BREAK_CAUSE,
     CAPTURE_UNSAFE,
     EAGER_REGION,
     LAYER_ID,
@@ -187,6 +188,8 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         if node in regions:  # an uncuttable span with a break: one break partition for all of it
             start, region_reason = regions[node]
+            if node is start:
+                BREAK_CAUSE.set(node, region_reason)
             if node is start and current_is_break:
                 reasons[part] = _join(reasons[part], region_reason)
             elif node is start:
@@ -202,6 +205,8 @@ def split_at_breaks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                 partition[node] = parent
                 continue
         reason = _break_reason(node, ctx, attention, user, host)
+        if reason is not None:
+            BREAK_CAUSE.set(node, reason)
         if reason is None:
             if current_is_break:
                 part += 1

@@ -15,6 +15,7 @@ from ppcompile.runtime.buckets import BucketPlan
 from ppcompile.runtime.layout_checks import CheckedValue
 from ppcompile.runtime.program import Program
 from ppcompile.runtime.validation import InputSpec
+from ppcompile.runtime.whole_stage import WholeStagePlan
 
 __all__ = ["CompileRecord", "CompiledStage"]
 
@@ -85,6 +86,9 @@ class CompiledStage:
     # (input, dim, Dynamo's symbol) of live inputs whose token dim had a symbol of its own, merged into
     # the token symbol (marked dynamic one by one): each call checks they hold the token count.
     merged_token_dims: tuple[tuple[int, int, str], ...] = ()
+    # Whole-stage graphs (``whole_stage.py``): the plan, or None and why not (None: nothing to gain).
+    whole: WholeStagePlan | None = None
+    whole_reason: str | None = None
     record: CompileRecord = dataclasses.field(default_factory=lambda: CompileRecord())
 
     @property

@@ -18,13 +18,14 @@ from ppcompile.counters import counters
 from ppcompile.runtime.compiled_stage import CompileRecord
 
 __all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_GRAPHS",
-           "RECOMPILE_LIMIT", "FallOffs"]
+           "RECOMPILE_LIMIT", "WHOLE_CAPTURE_FAILED", "FallOffs"]
 
 NEVER_GRAPHS = "never graphs"  # the graph's shape guards refuse every capture size
 CAPTURE_FAILED = "capture failed"  # capture="all": graphs off for a module instance
 BUCKET_CAPTURE_FAILED = "bucket capture failed"  # capture="lazy": that bucket runs eagerly
 RECOMPILE_LIMIT = "recompile limit"  # Dynamo's next recompile of the frame runs it uncompiled
-FALL_OFF_CAUSES = (NEVER_GRAPHS, CAPTURE_FAILED, BUCKET_CAPTURE_FAILED, RECOMPILE_LIMIT)
+WHOLE_CAPTURE_FAILED = "whole-stage capture failed"  # that bucket's forwards take the breakable path
+FALL_OFF_CAUSES = (NEVER_GRAPHS, CAPTURE_FAILED, BUCKET_CAPTURE_FAILED, RECOMPILE_LIMIT, WHOLE_CAPTURE_FAILED)
 
 log = logging.getLogger(__name__)
 

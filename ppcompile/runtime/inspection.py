@@ -25,6 +25,7 @@ from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.program import Program
 from ppcompile.runtime.sibling_graphs import StaticCalls
 from ppcompile.runtime.token_counts import TokenCounts
+from ppcompile.runtime.whole_stage import describe_plan
 
 __all__ = ["StageInspection"]
 
@@ -174,6 +175,8 @@ class StageInspection:
             lines.append(f"  always eager: {c.eager_reason}")
         for cause, message in self.fall_offs().items():
             lines.append(f"  fell off the graph path ({cause}): {message}")
+        if c.whole is not None or c.whole_reason:
+            lines.append(f"  {describe_plan(c.whole, c.whole_reason, c.plan.sizes)}")
         for seg in c.segments:
             graph = "graph" if c.eager_reason is None else "graph segment, run eagerly (always eager)"
             what = graph if seg.is_graph else f"break  {seg.reason}"

@@ -40,6 +40,7 @@ from ppcompile.runtime.program import GraphStep, Ref
 from ppcompile.runtime.stale_outputs import OutputTracker
 from ppcompile.runtime.static_buffers import extent
 from ppcompile.runtime.validation import aliased_slots, storages_of
+from ppcompile.runtime.whole_stage import WholeGraphs
 
 __all__ = ["ConcurrentCallError", "StageInstance"]
 
@@ -57,7 +58,8 @@ class StageInstance:
 
     def __init__(self, compiled: CompiledStage, config: PPBreakableConfig, args: Sequence[Any],
                  env_max: dict[sympy.Symbol, int], runs: list[CaptureRecord] | None = None,
-                 agreement: Agreement = LOCAL, executor: ExecutorFactory = make_executor) -> None:
+                 agreement: Agreement = LOCAL, executor: ExecutorFactory = make_executor,
+                 live_forward: Callable[..., Any] | None = None) -> None:
         program = compiled.program
         self._compiled = compiled
         self._config = config
@@ -93,6 +95,13 @@ class StageInstance:
         self.runs: list[CaptureRecord] = [] if runs is None else runs
         # The TP group's ranks capture alike: budget ends and failures are agreed (group_agreement.py).
         self._agreement = agreement
+        # Whole-stage graphs of small buckets (``whole_stage.py``), with an executor of their own.
+        self.whole: WholeGraphs | None = None
+        if compiled.whole is not None and live_forward is not None:
+            self.whole = WholeGraphs(
+                compiled.whole, compiled.plan.sizes, live_forward,
+                executor(compiled.graph_mode, config.debug, self._device(), agreement), compiled.token_symbol,
+                compiled.name, bool(config.owned_outputs or config.debug or config.output_slots > 1))
         # Outputs that are graph memory (graph outputs handed out as live-size views): owned copies copy them.
         self._static_outputs = frozenset(s for st in program.graph_steps for s in st.live_views)
 
@@ -205,6 +214,8 @@ class StageInstance:
         if self.ring is not None:
             for ring_slot in self.ring.slots:
                 yield from ring_slot.buffers
+        if self.whole is not None:
+            yield from self.whole.static_tensors()
         module_slots = {*self._compiled.state_slots, *self._compiled.scalar_slots}
         for table in self.tables.values():
             for slot, value in enumerate(table):

@@ -46,6 +46,7 @@ from ppcompile.runtime.fall_offs import (
     FALL_OFF_CAUSES,
     NEVER_GRAPHS,
     RECOMPILE_LIMIT,
+    WHOLE_CAPTURE_FAILED,
     FallOffs,
 )
 from ppcompile.runtime.graph_path import Wrap
@@ -56,6 +57,7 @@ from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureReco
 from ppcompile.runtime.sibling_graphs import StaticCalls
 from ppcompile.runtime.token_counts import TokenCounts
 from ppcompile.runtime.validation import InputMismatchError, check_inputs
+from ppcompile.runtime.whole_stage import WholeGraphs
 
 __all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_GRAPHS",
            "RECOMPILE_LIMIT", "ConcurrentCallError", "StageRuntime"]
@@ -208,9 +210,27 @@ class StageRuntime(StageInspection):
         if state.failed is not None:
             return self.run_eager(args)  # the fall-off was noted when the capture failed
         with state.claim(self.name):
+            whole = state.whole
+            if whole is not None and (wb := self._whole_bucket(whole, args, n)) is not None:
+                return whole.serve(args, env_n, n, wb)
             if b not in state.tables and not self._capture_lazily(state, args, b):
                 return self.run_eager(args)
             return state.serve(args, env_n, n, b, self._wrap)
+
+    def _whole_bucket(self, whole: WholeGraphs, args: tuple[Any, ...], n: int) -> int | None:
+        """The whole-stage bucket serving this call, captured at its first use, or None (breakable)."""
+        wb = whole.bucket_for(args, n)
+        if self._agreement.size > 1 and (self._debug or (wb is not None and not whole.captured(wb))):
+            self._agreement.check_same("the whole-stage bucket", [wb or 0], self.name)
+        if wb is None or whole.captured(wb):
+            return wb
+        failure = whole.capture(args, n, wb)
+        if failure is None:
+            return wb
+        self.note_fall_off(WHOLE_CAPTURE_FAILED, f"the whole-stage graph of bucket {wb} failed to capture "
+                           f"({failure}); its forwards take the breakable path. Fix the op the error names, "
+                           "or withdraw its capture declaration")
+        return None
 
     def _probe(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The first call of a recompile for inputs of another structure (``record.input_changes``: most
@@ -319,7 +339,8 @@ class StageRuntime(StageInspection):
         env = self._env(args, n)
         env_max = {**env, self.token_symbol: max(self.plan.sizes)}
         state = StageInstance(self.compiled, self.config, args, env_max, runs=self._capture_runs,
-                              agreement=self._agreement, executor=self._executor)
+                              agreement=self._agreement, executor=self._executor,
+                              live_forward=self.live_forward)
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
         if self.config.capture == "all":
             state.capture_all(args, env, sorted(self.plan.sizes, reverse=True), self._observer)

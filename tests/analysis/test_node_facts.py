@@ -12,6 +12,7 @@ import torch
 
 from ppcompile.analysis.node_facts import (
     BOUND_WEIGHT,
+    BREAK_CAUSE,
     CAPTURE_UNSAFE,
     COLLECTIVE,
     EAGER_REGION,
@@ -28,7 +29,7 @@ from ppcompile.analysis.node_facts import (
     token_dim_sizes,
     token_dims,
 )
-from ppcompile.records import Collective, Segment, StaticBuffer
+from ppcompile.records import BreakKind, BreakReason, Collective, Segment, StaticBuffer
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ppcompile"
 s0 = sympy.Symbol("s0", integer=True, positive=True)
@@ -42,6 +43,7 @@ SAMPLES: list[tuple[NodeFact[Any], Any]] = [
     (COLLECTIVE, Collective("all_reduce", "0")),
     (PADDING_UNSAFE, "Tensor.mean reduces along the token dim"),
     (CAPTURE_UNSAFE, "its implementation reads a device value on the host (a sync)"),
+    (BREAK_CAUSE, BreakReason(BreakKind.ATTENTION, "ppcompile.attention.default", "global layer 3")),
     (SEGMENT, Segment("submod_1", "break", 3)),
     (STATIC_BUFFER, StaticBuffer("l_x_", "input", (64, 8), torch.float32, torch.device("cpu"), (0,))),
     (WRITTEN_ARGS, (0, 2)),
@@ -97,6 +99,7 @@ def test_each_key_and_its_writer() -> None:
         "pp_collective": "find_collectives",
         "pp_unsafe": "check_padding_safety",
         "pp_capture_unsafe": "check_capture_safety",
+        "pp_break_cause": "split_at_breaks",
         "pp_segment": "split_at_breaks",
         "pp_static_buffer": "lift_static_inputs",
         "pp_written_args": "lift_static_inputs",
