@@ -14,6 +14,8 @@
 #   pp_streams          two PP stages on one device, the hand-over on a second stream: wall per
 #                       micro-batch with the output ring and event fences vs waiting, host syncs counted
 #   owned_outputs       what the default's output copies cost per forward against views, 16 and 2048 tokens
+#   whole_stage         tiny prefills (16, 64, 256 tokens; 1 and 8 requests): whole-stage graphs vs the
+#                       breakable path vs eager, graphs and memory
 # Each step runs under its own time limit (PLAN below, the one place limits live; TERM 5 s before the
 # limit, KILL at it) and writes its log (and JSON/figures) before the next starts, with one line in
 # summary.txt, so a run cut off anywhere still leaves what it measured. A failing step does not stop the
@@ -39,15 +41,16 @@ BUDGET_S=480
 # Sized from the H200 runs of 2026-12-04 (cold caches; docs/benchmarks.md, "The GPU check"): preflight
 # 11 s, pytest_gpu 37, throughput_profile 74 (every path compiled under a 120 s limit), overhead 46,
 # lazy_capture 35, fold_segments 21, launches 17, fused_copy 16, pp_streams 23: 280 s of steps.
-# owned_outputs (added since) has not run on a GPU yet: two 8-layer paths, each captured once.
-PLAN=(preflight=20 pytest_gpu=50 throughput_profile=100 overhead=60 lazy_capture=40 fold_segments=30
-      launches=20 fused_copy=25 pp_streams=35 owned_outputs=30)
+# owned_outputs and whole_stage (added since) have not run on a GPU yet; the limits of the steps measured
+# above were trimmed to make room for whole_stage (three 16-layer paths, lazy capture of 3 buckets).
+PLAN=(preflight=20 pytest_gpu=45 throughput_profile=90 overhead=50 lazy_capture=40 fold_segments=25
+      launches=20 fused_copy=20 pp_streams=35 owned_outputs=30 whole_stage=35)
 # Outside the steps, each under its own timeout: pip install -e ., the torch/CUDA probe, the render of
 # benchmarks.md, and the shell itself (nvidia-smi, copies).
 OVERHEAD=(pip=20 probe=20 render=25 shell=5)
 # The dry run (CPU, tiny sizes; a slow 2-core box takes about 3 minutes): limits only stop a hang.
 DRY_PLAN=(preflight=60 pytest_gpu=120 throughput_profile=90 overhead=60 lazy_capture=120 fold_segments=60
-          launches=60 fused_copy=40 pp_streams=60 owned_outputs=120)
+          launches=60 fused_copy=40 pp_streams=60 owned_outputs=120 whole_stage=120)
 # The test files with GPU tests (`pytest.mark.gpu`), correctness first; run with `-m gpu`.
 # tests/bench/test_gpu_check_plan.py checks this list against the files that have the mark.
 GPU_TESTS=(
@@ -62,7 +65,7 @@ GPU_TESTS=(
   tests/tracing/test_layer_stamps.py
 )
 # Steps whose log is also kept as NAME.txt (docs/benchmarks.md names these files).
-TXT_STEPS=" lazy_capture fold_segments launches fused_copy pp_streams owned_outputs "
+TXT_STEPS=" lazy_capture fold_segments launches fused_copy pp_streams owned_outputs whole_stage "
 
 usage() { echo "usage: bash bench/gpu_check.sh [--dry-run] [--print-plan]" >&2; exit 2; }
 dry=0
@@ -99,12 +102,14 @@ if [ "$dry" = 1 ]; then
   fold_args=(--device cpu --graph-mode emulate --ks 1,2)
   copy_args=(--dry-run)
   owned_args=(--device cpu --tokens 4,16 --hidden 64 --layers 4 --rounds 1)
+  whole_args=(--device cpu --tokens 16 --calls 2)
 else
   dev=cuda
   bench_args=(--device cuda --suite cuda)
   fold_args=(--device cuda)
   copy_args=()
   owned_args=(--device cuda)
+  whole_args=(--device cuda)
 fi
 
 command_of() {  # command_of NAME LIMIT: sets cmd to step NAME's command line
@@ -126,6 +131,7 @@ command_of() {  # command_of NAME LIMIT: sets cmd to step NAME's command line
     fused_copy) cmd=("$py" bench/fused_copy.py --out "$results" "${copy_args[@]}") ;;
     pp_streams) cmd=("$py" bench/pp_streams.py --device "$dev" --out "$results") ;;
     owned_outputs) cmd=("$py" bench/owned_outputs.py --out "$results" "${owned_args[@]}") ;;
+    whole_stage) cmd=("$py" bench/whole_stage.py --out "$results" "${whole_args[@]}") ;;
     *) echo "gpu_check: no command for step $1" >&2; return 1 ;;
   esac
 }

@@ -51,7 +51,7 @@ def test_preflight_first_then_the_gpu_tests_then_the_benchmarks() -> None:
     for args in ((), ("--dry-run",)):
         names = [name for name, _ in _values(_plan(*args), "step")]
         assert names[:2] == ["preflight", "pytest_gpu"], args
-        assert names[2] == "throughput_profile" and len(names) == len(set(names)) == 10, args
+        assert names[2] == "throughput_profile" and len(names) == len(set(names)) == 11, args
     assert [n for n, _ in _values(_plan(), "step")] == [n for n, _ in _values(_plan("--dry-run"), "step")]
 
 
