@@ -327,3 +327,12 @@ def test_an_input_the_stage_writes_reaches_the_caller(fresh_dynamo: None) -> Non
         torch.testing.assert_close(mine, theirs)
     (state,) = symbolic_runtime(compiled).instances()
     assert state.whole is not None and any(i.written for i in state.whole.plan.inputs)
+
+
+def test_with_an_output_ring_whole_outputs_are_owned_and_need_no_fence(fresh_dynamo: None) -> None:
+    pair = Pair(output_slots=2)
+    outs = [pair.run(lens) for lens in ([2, 2], [1, 2], [3, 1], [9, 2])]  # whole x3, then the ring's path
+    for got, want in outs:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # all still valid
+    assert ppcompile.fence_outputs(outs[0][0], lambda: None) == 0  # a copy: no ring slot to fence
+    assert ppcompile.fence_outputs(outs[-1][0], lambda: None) == 1  # the breakable path's ring view
