@@ -65,7 +65,7 @@ class Metadata:
 
     rows: Rows
     pad: int | float = 0
-    capacity: Mapping[int, int] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    capacity: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", Rows(self.rows))
@@ -78,7 +78,10 @@ class Metadata:
             if not isinstance(dim, int) or dim < 1 or not isinstance(size, int) or size < 1:
                 raise ValueError(f"Metadata.capacity maps a dim >= 1 (dim 0 is the rows) to a size >= 1, "
                                  f"got {dim!r}: {size!r}")
-        object.__setattr__(self, "capacity", types.MappingProxyType(dict(self.capacity)))
+        object.__setattr__(self, "capacity", dict(self.capacity))  # a copy (plans pickle it)
+
+    def __hash__(self) -> int:
+        return hash((self.rows, self.pad, tuple(sorted(self.capacity.items()))))
 
 
 @dataclasses.dataclass(frozen=True)

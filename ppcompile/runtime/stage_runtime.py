@@ -225,12 +225,14 @@ class StageRuntime(StageInspection):
         if wb is None or whole.captured(wb):
             return wb
         failure = whole.capture(args, n, wb)
-        if failure is None:
-            return wb
-        self.note_fall_off(WHOLE_CAPTURE_FAILED, f"the whole-stage graph of bucket {wb} failed to capture "
-                           f"({failure}); its forwards take the breakable path. Fix the op the error names, "
-                           "or withdraw its capture declaration")
-        return None
+        self._note_whole_failure(wb, failure)
+        return wb if failure is None else None
+
+    def _note_whole_failure(self, wb: int, failure: str | None) -> None:
+        if failure is not None:
+            self.note_fall_off(WHOLE_CAPTURE_FAILED, f"the whole-stage graph of bucket {wb} failed to "
+                               f"capture ({failure}); its forwards take the breakable path. Fix the op the "
+                               "error names, or withdraw its capture declaration")
 
     def _probe(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The first call of a recompile for inputs of another structure (``record.input_changes``: most
@@ -344,6 +346,9 @@ class StageRuntime(StageInspection):
         self._states[key] = state  # kept even when capture fails: later calls see state.failed
         if self.config.capture == "all":
             state.capture_all(args, env, sorted(self.plan.sizes, reverse=True), self._observer)
+            if state.whole is not None:  # whole-stage buckets too, largest first, with no live row
+                for wb in reversed(state.whole.buckets):
+                    self._note_whole_failure(wb, state.whole.capture(args, n, wb, empty=True))
         return state
 
     def _capture_lazily(self, state: StageInstance, args: tuple[Any, ...], b: int) -> bool:

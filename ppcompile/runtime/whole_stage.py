@@ -9,8 +9,9 @@ and copied (unless ``owned_outputs=False``); inputs the stage writes in place ge
 
 A forward that does not fit (more tokens than the largest whole bucket, more requests than a bucket
 holds, a metadata dim over its capacity, a fixed-size input of another shape than the bucket captured)
-takes the breakable path: nothing is truncated. Each bucket is captured at its first use with that
-call's data; a failed capture turns whole graphs off for that bucket (its forwards run breakable).
+takes the breakable path: nothing is truncated. A bucket is captured at its first use with that call's
+data, or (``capture="all"``) at the first call with no live row and all-padding metadata; a failed capture
+turns whole graphs off for that bucket (its forwards run breakable).
 
 Per call with ``n`` tokens at whole bucket ``b`` (``R`` live requests, capacity ``C``)::
 
@@ -202,12 +203,14 @@ class WholeGraphs:
     def captured(self, b: int) -> bool:
         return b in self._captured
 
-    def capture(self, args: Sequence[Any], n: int, b: int) -> str | None:
-        """Captures bucket ``b`` with this call's data in its static buffers; on failure (here, or on
+    def capture(self, args: Sequence[Any], n: int, b: int, empty: bool = False) -> str | None:
+        """Captures bucket ``b`` with this call's data in its static buffers (``empty``: with no live row
+        and no request, for a bucket the call does not fit: ``capture="all"``); on failure (here, or on
         another rank of the TP group: the executor settles each capture) records the bucket in
         ``failed_buckets`` and returns why."""
         bucket = self._allocate(args, n, b)
-        self._copy_in(bucket, args, n)
+        if not empty:  # freshly allocated buffers hold zeros and padding: a forward of nothing
+            self._copy_in(bucket, args, n)
         fn = _WholeForward(self._live_forward, bucket.env, self._tensor_outputs)
         try:
             with self.executor.capture_session():

@@ -18,6 +18,8 @@ from whole_stage_toy import CONTRACT, MixStage, make_meta
 
 import ppcompile
 from ppcompile import counters
+from ppcompile.backends.pp_breakable import compile_stage, serve_stage
+from ppcompile.backends.stored_stage import dumps_compiled_stage, loads_compiled_stage
 from ppcompile.capturable import declare_capturable
 from ppcompile.runtime import whole_stage
 from ppcompile.runtime.executors import CudaGraphExecutor
@@ -94,6 +96,16 @@ def test_small_forwards_replay_one_whole_graph_per_bucket(pair: Pair) -> None:
     assert whole.buckets == (2, 4, 8) and whole.captured_buckets == (2, 4, 8)
     rt = symbolic_runtime(pair.compiled)
     assert "whole-stage graphs: buckets [2, 4, 8]" in rt.describe()
+
+
+@pytest.mark.parametrize(("capture", "after_first"), [("all", (2, 4, 8)), ("lazy", (4,))])
+def test_capture_all_takes_every_whole_bucket_at_the_first_call(fresh_dynamo: None, capture: str,
+                                                                after_first: tuple[int, ...]) -> None:
+    pair = Pair(capture=capture)  # its first call: 3 tokens, bucket 4
+    assert pair.whole().captured_buckets == after_first
+    for lens in ([1, 1], [2, 3, 1, 1], [2]):  # buckets 2, 8, 2: the ones captured with no live row
+        pair.check(lens)
+    assert pair.whole().captured_buckets == (2, 4, 8)
 
 
 def test_one_graph_per_whole_bucket_is_captured(fresh_dynamo: None) -> None:
@@ -218,7 +230,7 @@ def test_a_failed_whole_capture_leaves_that_bucket_breakable(fresh_dynamo: None)
         pair.check([2, 1])
         pair.check([2])
     whole = pair.whole()
-    assert 4 in whole.failed_buckets and whole.captured_buckets == (2,)
+    assert 4 in whole.failed_buckets and whole.captured_buckets == (2, 8)
     assert WHOLE_CAPTURE_FAILED in symbolic_runtime(pair.compiled).fall_offs()
 
 
@@ -275,7 +287,7 @@ def test_stages_that_cannot_run_whole_say_why(fresh_dynamo: None, declared: Call
     declared(host_plan="a FlashInfer-style plan()", planned_outside=True)
     pair = Pair()
     pair.check([2, 2])
-    assert pair.whole().captured_buckets == (4,)
+    assert pair.whole().captured_buckets == (2, 4, 8)
 
 
 @torch.library.custom_op("pptest::host_mix", mutates_args=())
@@ -336,3 +348,26 @@ def test_with_an_output_ring_whole_outputs_are_owned_and_need_no_fence(fresh_dyn
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # all still valid
     assert ppcompile.fence_outputs(outs[0][0], lambda: None) == 0  # a copy: no ring slot to fence
     assert ppcompile.fence_outputs(outs[-1][0], lambda: None) == 1  # the breakable path's ring view
+
+
+def test_a_stored_stage_keeps_its_whole_stage_plan(fresh_dynamo: None) -> None:
+    """A lowered stage written to bytes and read back (a warm restart's stored stage) serves whole."""
+    config = ppcompile.PPBreakableConfig.from_options(OPTIONS)
+    restored: list[Any] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        back = loads_compiled_stage(dumps_compiled_stage(compile_stage(gm, example_inputs, config)))
+        restored.append(back)
+        return serve_stage(back, config, example_inputs)
+
+    stage = MixStage(HIDDEN)
+    eager = copy.deepcopy(stage)
+    compiled = torch.compile(stage, backend=backend, dynamic=True)
+    for lens in ([3], [2, 2], [1, 1, 2]):
+        x = torch.randn(sum(lens), HIDDEN)
+        starts, slots = make_meta(lens)
+        before = counters.whole_replays
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, starts, slots), eager(x, starts, slots))
+        assert counters.whole_replays == before + 1
+    assert restored and all(r.whole is not None for r in restored)
