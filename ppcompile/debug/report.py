@@ -169,6 +169,23 @@ def _padding(runtime: StageRuntime) -> dict[str, Any]:
     }
 
 
+def _whole_stage(runtime: StageRuntime) -> dict[str, Any]:
+    """Whole-stage graphs: the buckets served whole and the metadata padded, or why there are none."""
+    plan = runtime.compiled.whole
+    if plan is None:
+        return {"buckets": [], "reason": runtime.compiled.whole_reason}
+    wholes = [s.whole for s in runtime.instances() if s.whole is not None]
+    return {
+        "buckets": [b for b in runtime.compiled.plan.sizes if b <= plan.max_tokens],
+        "max_requests": plan.max_requests,
+        "ops": list(plan.ops),
+        "metadata": {i.name: {"rows": i.metadata.rows.value, "pad": i.metadata.pad}
+                     for i in plan.inputs if i.metadata is not None},
+        "captured": sorted({b for w in wholes for b in w.captured_buckets}),
+        "failed": {str(b): why for w in wholes for b, why in w.failed_buckets.items()},
+    }
+
+
 def _buffers(runtime: StageRuntime) -> tuple[list[dict[str, Any]], dict[int, str]]:
     program = runtime.program
     names: dict[int, str] = {}
@@ -264,6 +281,7 @@ def build_report(runtime: StageRuntime) -> dict[str, Any]:
         "buckets": _padding(runtime),
         "traffic": _traffic(runtime),
         "output_ring": _output_ring(runtime),
+        "whole_stage": _whole_stage(runtime),
         "fall_offs": runtime.fall_offs(),
         "recompile_budget": {"frame_compile": record.frame_compile, "limit": record.recompile_limit,
                              "module": record.module, "recompile_of": record.recompile_of,

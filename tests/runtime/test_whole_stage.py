@@ -371,3 +371,17 @@ def test_a_stored_stage_keeps_its_whole_stage_plan(fresh_dynamo: None) -> None:
             torch.testing.assert_close(compiled(x, starts, slots), eager(x, starts, slots))
         assert counters.whole_replays == before + 1
     assert restored and all(r.whole is not None for r in restored)
+
+
+def test_the_stage_report_shows_the_whole_stage_graphs(pair: Pair) -> None:
+    from ppcompile.debug.report import build_report
+    from ppcompile.debug.table import format_report
+
+    pair.check([2, 2])
+    report = build_report(symbolic_runtime(pair.compiled))
+    whole = report["whole_stage"]
+    assert whole["buckets"] == [2, 4, 8] and whole["captured"] == [2, 4, 8] and not whole["failed"]
+    assert whole["ops"] == ["pptest::causal_mix"]
+    assert whole["metadata"] == {"l_starts_": {"rows": "request_starts", "pad": 0},
+                                 "l_slots_": {"rows": "tokens", "pad": -1}}
+    assert "whole-stage graphs: buckets [2, 4, 8] (captured [2, 4, 8])" in format_report(report)
