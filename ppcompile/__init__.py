@@ -21,6 +21,7 @@ from ppcompile.passes.check_padding_safety import PaddingSafetyError
 from ppcompile.planning.planner import plan_buckets
 from ppcompile.planning.traffic import TokenHistogram, token_histogram
 from ppcompile.proxy import PPProxyTensors
+from ppcompile.runtime.contract_check import CapturableContractError, check_capturable
 from ppcompile.runtime.executors import ReplayAddressError
 from ppcompile.runtime.fences import fence_outputs
 from ppcompile.runtime.group_agreement import GroupCaptureError, GroupDivergenceError
@@ -33,6 +34,7 @@ from ppcompile.tracing.marks import TokenMarking, mark_first_call, mark_token_dy
 from ppcompile.tracing.regions import eager_region, opaque_library_mixers, opaque_module, token_local
 
 __all__ = [
+    "CapturableContractError",
     "ConcurrentCallError",
     "GroupCaptureError",
     "GroupDivergenceError",
@@ -48,6 +50,7 @@ __all__ = [
     "TokenMarking",
     "WarmStage",
     "backend_with_options",
+    "check_capturable",
     "clear_warm_cache",
     "counters",
     "declare_capturable",
