@@ -79,7 +79,8 @@ def check_capturable(op: Any, *args: Any, bucket: int, requests: int | None = No
     name = qualified_op_name(op) or str(op)
     entry = capturable_break(name)
     if entry is None:
-        raise ValueError(f"check_capturable: {name} is not declared capturable (ppcompile.declare_capturable)")
+        raise ValueError(f"check_capturable: {name} is not declared capturable "
+                         "(ppcompile.declare_capturable)")
     schema = _schema(op)
     names = [a.name for a in schema.arguments]
     values = {**dict(zip(names, args)), **kwargs}
@@ -90,8 +91,8 @@ def check_capturable(op: Any, *args: Any, bucket: int, requests: int | None = No
                           for k, m in metadata.items() if m.rows is not Rows.TOKENS), 0)
     capacity = requests if requests is not None else entry.requests_for(bucket)
     if bucket < n or capacity < live_requests:
-        raise ValueError(f"check_capturable: bucket {bucket} / requests {capacity} hold fewer than the call's "
-                         f"{n} tokens / {live_requests} requests")
+        raise ValueError(f"check_capturable: bucket {bucket} / requests {capacity} hold fewer than the "
+                         f"call's {n} tokens / {live_requests} requests")
     padded: dict[str, Any] = {}
     for k, (key, value) in enumerate(values.items()):
         if key in metadata:
@@ -125,7 +126,8 @@ def _compare(name: str, plain: tuple[Sequence[Any], dict[str, torch.Tensor]],
         b = wide[1][key]
         if not torch.allclose(a, b, atol=atol, rtol=0, equal_nan=True):
             rows = (a != b).reshape(a.shape[0], -1).any(1).nonzero().flatten().tolist()
+            more = "..." if len(rows) > 8 else ""
             raise CapturableContractError(
-                f"{name}: padded rows or requests wrote {key} (rows {rows[:8]}{'...' if len(rows) > 8 else ''} "
-                "differ from the unpadded call's): a padded row must write nothing (its slot is the "
-                "declared pad), a padded request nothing either")
+                f"{name}: padded rows or requests wrote {key} (rows {rows[:8]}{more} differ from the "
+                "unpadded call's): a padded row must write nothing (its slot is the declared pad), a padded "
+                "request nothing either")
