@@ -132,9 +132,9 @@ def format_report(report: dict[str, Any], path: str = "") -> str:
             f"{100 * traffic['graphed_fraction']:.0f}% graphed")
     whole = report.get("whole_stage") or {}
     if whole.get("buckets"):
-        failed = f", FAILED at {sorted(whole['failed'])}" if whole["failed"] else ""
+        lost = f", FAILED at {sorted(whole['failed'])}" if whole["failed"] else ""
         lines.append(f"whole-stage graphs: buckets {whole['buckets']} (captured {whole['captured']}"
-                     f"{failed}), capturable breaks {', '.join(whole['ops'])}")
+                     f"{lost}), capturable breaks {', '.join(whole['ops'])}")
     elif whole.get("reason"):
         lines.append(f"whole-stage graphs: none ({whole['reason']})")
     compile_s = report.get("compile_times_s") or {}
