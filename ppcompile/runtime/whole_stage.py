@@ -258,8 +258,8 @@ class WholeGraphs:
             value = args[spec.slot]
             if spec.role in ("token", "fixed"):
                 shape = list(value.shape)
-                for d, _ in spec.dims:
-                    shape[d] = b
+                for d, size_of in spec.dims:
+                    shape[d] = size_of(env)  # the bucket's size of the dim (2 * b for a [2T, ...] input)
                 statics.append(torch.zeros(shape, dtype=value.dtype, device=value.device))
             elif spec.role == "metadata":
                 assert spec.metadata is not None
