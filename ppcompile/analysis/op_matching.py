@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ppcompile.capturable import Rows, capturable_break
 from ppcompile.engine_ops import EngineOp, OpRole, engine_op, layer_from_name, names_with_role
 from ppcompile.torch_internals import (
     C_SCALED_DOT_PRODUCT_ATTENTION,
@@ -20,10 +21,12 @@ __all__ = [
     "ATTENTION_LAYER_ARGS",
     "OpMatcher",
     "always_split_ops",
+    "argument_of",
     "engine_entry",
     "loaded_ops",
     "op_name",
     "register_attention_op",
+    "request_metadata_inputs",
     "resolve_op",
 ]
 
@@ -141,14 +144,38 @@ def attention_layer_id(
         arg_name = entry.layer_arg if entry is not None and entry.role is OpRole.ATTENTION else None
     if arg_name is None:
         return None
-    if arg_name in node.kwargs:
-        value = node.kwargs[arg_name]
-    else:
-        schema = (target if isinstance(target, OpOverload) else target.default)._schema  # type: ignore[union-attr]
-        names = [a.name for a in schema.arguments]
-        if arg_name not in names or names.index(arg_name) >= len(node.args):
-            return None
-        value = node.args[names.index(arg_name)]
+    value = argument_of(node, arg_name)
     if isinstance(value, torch.fx.Node) and input_values is not None:
         value = input_values.get(value)  # a graph input (vLLM's layer-name object): its traced value
     return layer_from_name(value)
+
+
+def argument_of(node: torch.fx.Node, name: str) -> Any:
+    """The value a call of a torch op passes for its schema argument ``name`` (positional or keyword;
+    None when not passed)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    target: Any = node.target
+    if isinstance(target, OpOverloadPacket):
+        target = getattr(target, target.overloads()[0])
+    names = [a.name for a in target._schema.arguments]
+    k = names.index(name) if name in names else len(node.args)
+    return node.args[k] if k < len(node.args) else None
+
+
+def request_metadata_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The placeholders ``gm`` passes straight to a declared capturable op as metadata whose rows are not
+    tokens (request starts, lengths, block tables; ``ppcompile.capturable``): no dim of theirs is the
+    token count, whatever sizes a call gave them."""
+    found = set()
+    for node in gm.graph.nodes:
+        name = qualified_op_name(node.target) if node.op == "call_function" else None
+        entry = capturable_break(name) if name else None
+        if entry is None:
+            continue
+        for arg, meta in entry.metadata.items():
+            value = argument_of(node, arg)
+            is_input = isinstance(value, torch.fx.Node) and value.op == "placeholder"
+            if is_input and meta.rows is not Rows.TOKENS:
+                found.add(value)
+    return found

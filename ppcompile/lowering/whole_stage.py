@@ -28,6 +28,7 @@ import sympy
 import torch
 
 from ppcompile.analysis.node_facts import BREAK_CAUSE, CAPTURE_UNSAFE, SEGMENT, WRITTEN_ARGS
+from ppcompile.analysis.op_matching import argument_of
 from ppcompile.capturable import CapturableBreak, Metadata, capturable_break
 from ppcompile.config import PPBreakableConfig
 from ppcompile.passes.context import PassContext
@@ -42,17 +43,6 @@ __all__ = ["plan_whole_stage"]
 
 class _Refused(Exception):
     """Why the stage cannot run whole (raised inside the planner, returned as its reason)."""
-
-
-def _argument(node: torch.fx.Node, name: str) -> Any:
-    target: Any = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        target = getattr(target, target.overloads()[0])
-    schema = target._schema
-    for k, arg in enumerate(schema.arguments):
-        if arg.name == name:
-            return node.args[k] if k < len(node.args) else node.kwargs.get(name)
-    return None
 
 
 # Why a declared op breaks on the breakable path, which its declaration answers inside a whole graph.
@@ -97,7 +87,7 @@ def _metadata_inputs(split: torch.fx.GraphModule, declared: list[Any]) -> dict[i
         assert isinstance(submod, torch.fx.GraphModule)
         inner = list(submod.graph.find_nodes(op="placeholder"))
         for arg_name, meta in entry.metadata.items():
-            arg = _argument(node, arg_name)
+            arg = argument_of(node, arg_name)
             outer = call.args[inner.index(arg)] if isinstance(arg, torch.fx.Node) and arg in inner else None
             if not isinstance(outer, torch.fx.Node) or outer.op != "placeholder":
                 raise _Refused(f"{entry.op}'s metadata {arg_name!r} is computed inside the stage; pass it "

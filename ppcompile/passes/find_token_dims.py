@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Set
 from typing import Any
 
 import sympy
 import torch
 
 from ppcompile.analysis.node_facts import BOUND_WEIGHT, SIZE_EXPR, TOKEN_DIMS
+from ppcompile.analysis.op_matching import request_metadata_inputs
 from ppcompile.passes.context import PassContext, PassResult
 from ppcompile.records import InputKind
 from ppcompile.symbolic import (
@@ -135,7 +137,7 @@ def _vote(
 
 
 def _pick_token_symbol(
-    placeholders: list[torch.fx.Node], kinds: list[InputKind]
+    placeholders: list[torch.fx.Node], kinds: list[InputKind], metadata: Set[torch.fx.Node] = frozenset()
 ) -> tuple[sympy.Symbol | None, tuple[int, int] | None, tuple[sympy.Symbol, ...]]:
     """The token symbol, the (input, dim) that first carries it, and the symbols merged into it.
 
@@ -145,12 +147,13 @@ def _pick_token_symbol(
     model code, when dim 1 of every live input whose dim 0 is 1 is a bare symbol: the most common of
     them, voted alike. Anything else (say a top-k width that stayed dynamic while a 1-token batch
     pinned the token dim to 1) is not the token count: the graph is then treated as having concrete
-    token sizes.
+    token sizes. Inputs in ``metadata`` (a capturable op's per-request metadata: a block table
+    ``[1, M]`` of one request is no ``[1, T]``) never carry it.
     """
     tensors = [
         (i, example_value(node), shape_exprs(example_value(node)))
         for i, (node, kind) in enumerate(zip(placeholders, kinds))
-        if kind is InputKind.TENSOR and example_value(node).dim() > 0
+        if kind is InputKind.TENSOR and example_value(node).dim() > 0 and node not in metadata
     ]
     leading = [(i, 0, exprs[0], value.shape[0]) for i, value, exprs in tensors
                if isinstance(exprs[0], sympy.Symbol)]
@@ -185,7 +188,8 @@ def find_token_dims(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     examples = [example_value(p) for p in placeholders]
     ctx.input_kinds = [classify_input(p, ex) for p, ex in zip(placeholders, examples)]
-    ctx.token_symbol, ctx.token_input, merged = _pick_token_symbol(placeholders, ctx.input_kinds)
+    ctx.token_symbol, ctx.token_input, merged = _pick_token_symbol(placeholders, ctx.input_kinds,
+                                                                   request_metadata_inputs(gm))
     token = ctx.token_symbol
     if token is None:
         log.info("%s: no dynamic token dim (Dynamo traced concrete sizes); the stage runs eagerly "

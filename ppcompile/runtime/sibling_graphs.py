@@ -15,8 +15,10 @@ plus the token count, so each call is one argument shuffle and then that graph's
     static:   (l_input_ids_, l_positions_, l_self_..._weight, ...)           1 token, always eager
     symbolic: (s0, l_input_ids_, l_positions_, l_self_..._weight, ...)       bucket 1 replays
 
-A pair is linked only when every input of the symbolic graph is an input of the static one or its token
-count, and both return the same outputs (no sizes among them).
+A pair is linked only when every input of the symbolic graph is an input of the static one or a size one of
+them carries (its token count; another size the static graph made a constant, such as a request count of
+1, read off the dim of a shared input that is exactly that size), and both return the same outputs (no
+sizes among them).
 """
 
 from __future__ import annotations
@@ -63,16 +65,15 @@ def _layout(spec: InputSpec) -> str:
 class StaticCallPlan:
     """How a static stage graph's arguments become a symbolic sibling's: ``plan(args)`` -> its args."""
 
-    __slots__ = ("_sources", "_token")
+    __slots__ = ("_sources",)
 
-    def __init__(self, sources: tuple[int, ...], token: tuple[int, int]) -> None:
-        self._sources = sources  # per sibling input: the static input it is (-1: the token count)
-        self._token = token  # (static input, dim) whose size is the token count
+    def __init__(self, sources: tuple[int | tuple[int, int], ...]) -> None:
+        # Per sibling input: the static input it is, or (static input, dim) whose size is its value (the
+        # token count, or another size the static graph made a constant: a request count of 1).
+        self._sources = sources
 
     def __call__(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        i, d = self._token
-        n = int(args[i].shape[d])
-        return tuple(n if s < 0 else args[s] for s in self._sources)
+        return tuple(args[s] if isinstance(s, int) else int(args[s[0]].shape[s[1]]) for s in self._sources)
 
 
 class StaticCalls:
@@ -102,23 +103,31 @@ def plan_static_calls(static: CompiledStage, symbolic: CompiledStage) -> StaticC
     raw_static = len(static.input_names) - len(static.bound_inputs)
     where = {name: i for i, name in enumerate(static.input_names[:raw_static])}
     symbols = dict(symbolic.symbol_slots)
-    sources: list[int] = []
+    dims = _symbol_dims(symbolic, where)
+    sources: list[int | tuple[int, int]] = []
     for i, name in enumerate(symbolic.input_names[:len(symbolic.input_names) - len(symbolic.bound_inputs)]):
         if name in where:
             sources.append(where[name])
-        elif symbols.get(i) == symbolic.token_symbol:
-            sources.append(-1)
+        elif i in symbols and symbols[i] in dims:
+            sources.append(dims[symbols[i]])
         else:
-            return None  # another symbol, or an input the static graph does not take
-    token = _token_source(symbolic, where)
-    return None if token is None else StaticCallPlan(tuple(sources), token)
+            return None  # a size no shared input carries, or an input the static graph does not take
+    return StaticCallPlan(tuple(sources)) if symbolic.token_symbol in dims else None
 
 
-def _token_source(symbolic: CompiledStage, where: dict[str, int]) -> tuple[int, int] | None:
-    """(static input, dim) holding the token count: the static graph's input that is the symbolic
-    graph's token input (``plan_static_calls`` has matched every tensor input by then)."""
-    if symbolic.token_input is None:
-        return None
-    slot, dim = symbolic.token_input
-    i = where.get(symbolic.input_names[slot])
-    return None if i is None else (i, dim)
+def _symbol_dims(symbolic: CompiledStage, where: dict[str, int]) -> dict[Any, tuple[int, int]]:
+    """Symbol -> (static input, dim) whose size is its value: the symbolic graph's token input first,
+    then any dim of a shared tensor input that is exactly the symbol (``symbolic.program.input_layouts``)."""
+    found: dict[Any, tuple[int, int]] = {}
+    if symbolic.token_input is not None:
+        slot, dim = symbolic.token_input
+        i = where.get(symbolic.input_names[slot])
+        if i is not None:
+            found[symbolic.token_symbol] = (i, dim)
+    for name, layout in symbolic.program.input_layouts.values():
+        if name not in where:
+            continue
+        for d, size in enumerate(layout.sizes):
+            if size.expr.is_Symbol:
+                found.setdefault(size.expr, (where[name], d))
+    return found
