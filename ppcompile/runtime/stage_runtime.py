@@ -3,7 +3,9 @@
 Per call with ``n`` live tokens:
 
 1. pick the bucket ``b >= n`` (O(1) table); above the cap, beyond the padding guard, with autograd on,
-   or for a stage that cannot be graphed, run every segment eagerly on live tensors instead;
+   or for a stage that cannot be graphed, run every segment eagerly on live tensors instead (a stage with
+   whole-stage graphs serves a forward that fits one from a whole graph first, padding guard or not:
+   ``whole_stage.py``);
 2. check the inputs against the compiled graph (``validation.py``; before any capture or write; the first
    call of a recompile for inputs of another structure runs eagerly, ``_probe``), then copy them into
    the static input buffers (``[:n]``) and zero their padding rows (``[n:b]``);
@@ -193,7 +195,8 @@ class StageRuntime(StageInspection):
         if self.eager_reason is not None:
             return self.run_eager(args)
         b = self.plan.bucket(n)
-        if b is None:
+        whole_plan = self.compiled.whole  # beyond the padding guard, a whole-stage graph may still serve
+        if b is None and (whole_plan is None or n > whole_plan.max_tokens):
             return self.run_eager(args)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             self._warn_once("grad", "%s: inputs require grad with autograd enabled, so forwards run "
@@ -213,6 +216,8 @@ class StageRuntime(StageInspection):
             whole = state.whole
             if whole is not None and (wb := self._whole_bucket(whole, args, n)) is not None:
                 return whole.serve(args, env_n, n, wb)
+            if b is None:
+                return self.run_eager(args)
             if b not in state.tables and not self._capture_lazily(state, args, b):
                 return self.run_eager(args)
             return state.serve(args, env_n, n, b, self._wrap)

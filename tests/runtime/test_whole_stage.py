@@ -385,3 +385,24 @@ def test_the_stage_report_shows_the_whole_stage_graphs(pair: Pair) -> None:
     assert whole["metadata"] == {"l_starts_": {"rows": "request_starts", "pad": 0},
                                  "l_slots_": {"rows": "tokens", "pad": -1}}
     assert "whole-stage graphs: buckets [2, 4, 8] (captured [2, 4, 8])" in format_report(report)
+
+
+def test_a_forward_beyond_the_padding_guard_is_served_whole(fresh_dynamo: None) -> None:
+    pair = Pair(max_padding_factor=1.2)  # 3 tokens in bucket 4 (1.33x): the breakable path would not
+    paths = []
+    for lens in ([2, 1], [1, 4], [6, 3]):  # whole 4, whole 8, then 9 tokens: bucket 16, beyond the guard
+        before = counters.snapshot()
+        pair.check(lens)
+        after = counters.snapshot()
+        paths.append("whole" if after["whole_replays"] > before["whole_replays"] else
+                     "eager" if after["eager_runs"] > before["eager_runs"] else "breakable")
+    assert paths == ["whole", "whole", "eager"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "emulate"])
+def test_every_graph_mode_and_debug_mode_serve_whole(fresh_dynamo: None, mode: str) -> None:
+    pair = Pair(graph_mode=mode, debug=True)  # debug: replays check the tensors they were captured with
+    before = counters.whole_replays
+    for lens in ([2, 2], [1], [3, 4], [9, 2]):  # whole, whole, whole, breakable
+        pair.check(lens)
+    assert counters.whole_replays - before == 3 and pair.whole().captured_buckets == (2, 4, 8)

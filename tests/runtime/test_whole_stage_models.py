@@ -78,6 +78,7 @@ CASES: list[tuple[list[int], list[int] | None, str]] = [
     ([2, 2, 3, 1, 2, 2, 1, 3], None, "whole"),
     ([12, 10], [4, 4], "breakable"),    # 22 > 16
     ([20, 20, 30], None, "eager"),      # 70 > the cap
+    ([1], [5], "whole"),                # 1 token: a static stage graph, served by the symbolic one
 ]
 
 
@@ -91,6 +92,9 @@ def test_small_forwards_run_whole_and_equal_eager(fresh_dynamo: None, cfg: Model
     assert all(b for b in pipe.whole_buckets())
     rt = ppcompile.runtimes_of(pipe.compiled[0])[0]
     assert "whole-stage graphs: buckets [4, 8, 16]" in rt.describe()
+    for c in pipe.compiled:  # the 1-token graph has no token count of its own (not the block table's width)
+        static = [r for r in ppcompile.runtimes_of(c) if r.token_symbol is None]
+        assert static and all(r.served_by is not None for r in static)
 
 
 def test_any_requests_that_fit_equal_eager(fresh_dynamo: None) -> None:
