@@ -14,7 +14,7 @@
 #   pp_streams          two PP stages on one device, the hand-over on a second stream: wall per
 #                       micro-batch with the output ring and event fences vs waiting, host syncs counted
 #   owned_outputs       what the default's output copies cost per forward against views, 16 and 2048 tokens
-#   whole_stage         tiny prefills (16, 64, 256 tokens; 1 and 8 requests): whole-stage graphs vs the
+#   whole_stage         tiny prefills (1, 16, 64, 256 tokens; 1 and 8 requests): whole-stage graphs vs the
 #                       breakable path vs eager, graphs and memory
 # Each step runs under its own time limit (PLAN below, the one place limits live; TERM 5 s before the
 # limit, KILL at it) and writes its log (and JSON/figures) before the next starts, with one line in

@@ -7,7 +7,7 @@ tables. Per (tokens, requests): the median wall of synchronised forwards, interl
 noisy neighbour hits each alike), each path with caches of its own, and the largest difference of its
 logits from eager's.
 
-Run alone: ``python bench/whole_stage.py [--device cpu|cuda] [--tokens 16,64,256] [--requests 1,8]
+Run alone: ``python bench/whole_stage.py [--device cpu|cuda] [--tokens 1,16,64,256] [--requests 1,8]
 [--out DIR]``. On CPU the graphs are the emulator's (``graph_mode="emulate"``): the figures there test the
 script, they say nothing of the GPU.
 """
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", default=None,
-                        help="token counts (default: 16,64,256 on CUDA; 16,64 on CPU)")
+                        help="token counts (default: 1,16,64,256 on CUDA; 1,16,64 on CPU)")
     parser.add_argument("--requests", default="1,8", help="requests per forward")
     parser.add_argument("--layers", type=int, default=None, help="default: 16 on CUDA, 4 on CPU")
     parser.add_argument("--hidden", type=int, default=None, help="default: 1024 on CUDA, 64 on CPU")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    tokens = [int(t) for t in (args.tokens or ("16,64,256" if cuda else "16,64")).split(",")]
+    tokens = [int(t) for t in (args.tokens or ("1,16,64,256" if cuda else "1,16,64")).split(",")]
     requests = [int(r) for r in args.requests.split(",")]
     hidden = args.hidden or (1024 if cuda else 64)
     heads = max(4, hidden // 128)
