@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ppcompile.capturable import Rows, capturable_break
+from ppcompile.capturable import Rows, capturable_break, capturable_breaks
 from ppcompile.engine_ops import EngineOp, OpRole, engine_op, layer_from_name, names_with_role
 from ppcompile.torch_internals import (
     C_SCALED_DOT_PRODUCT_ATTENTION,
@@ -167,7 +167,9 @@ def request_metadata_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """The placeholders ``gm`` passes straight to a declared capturable op as metadata whose rows are not
     tokens (request starts, lengths, block tables; ``ppcompile.capturable``): no dim of theirs is the
     token count, whatever sizes a call gave them."""
-    found = set()
+    found: set[torch.fx.Node] = set()
+    if not capturable_breaks():  # nothing declared: no walk over the graph
+        return found
     for node in gm.graph.nodes:
         name = qualified_op_name(node.target) if node.op == "call_function" else None
         entry = capturable_break(name) if name else None
