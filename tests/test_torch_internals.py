@@ -43,6 +43,9 @@ def test_bound_entries() -> None:
     assert ti.sympy_interp_python({s: 3}, 2 * s + 1) == 7
     assert ti.sympy_interp_python({s: 3}, sympy.Max(s, 5)) == 5
     assert ti.sympy_interp_logger_name().startswith("torch.")
+    ti.shape_check(2 + 2 == 4, lambda: "never")
+    with pytest.raises(RuntimeError, match="rows differ"):
+        ti.shape_check(False, lambda: "rows differ")
 
 
 def test_tensor_entries() -> None:

@@ -29,6 +29,7 @@ import torch
 
 from ppcompile.analysis.op_matching import register_attention_op
 from ppcompile.capturable import Metadata, Rows, declare_capturable
+from ppcompile.torch_internals import shape_check
 
 __all__ = ["PagedMetadata", "make_paged_metadata", "paged_attention", "paged_positions"]
 
@@ -116,24 +117,25 @@ def make_paged_metadata(
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                   slot_mapping: torch.Tensor, block_size: int) -> None:
-    """Shape relations of the op's arguments (``torch._check``: under tracing they also tell the shape
-    environment that ``slot_mapping``'s rows are the tokens and the metadata's the requests)."""
+    """Shape relations of the op's arguments (``shape_check``, torch's ``_check``: under tracing they also
+    tell the shape environment that ``slot_mapping``'s rows are the tokens and the metadata's the
+    requests)."""
     t, hq, d = q.shape
     hkv, r = k.shape[1], seq_lens.shape[0]
-    torch._check(k.dim() == 3 and v.dim() == 3 and k.shape[0] == t and k.shape[2] == d and v.shape[0] == t
+    shape_check(k.dim() == 3 and v.dim() == 3 and k.shape[0] == t and k.shape[2] == d and v.shape[0] == t
                  and v.shape[1] == hkv and v.shape[2] == d,
                  lambda: f"paged_attention: k {list(k.shape)}, v {list(v.shape)} unlike q {list(q.shape)}")
-    torch._check(hq % hkv == 0, lambda: f"paged_attention: {hq} query heads are no multiple of {hkv}")
-    torch._check(kv_cache.dim() == 4 and kv_cache.shape[1] == 2 and kv_cache.shape[2] == hkv
+    shape_check(hq % hkv == 0, lambda: f"paged_attention: {hq} query heads are no multiple of {hkv}")
+    shape_check(kv_cache.dim() == 4 and kv_cache.shape[1] == 2 and kv_cache.shape[2] == hkv
                  and kv_cache.shape[3] == d,
                  lambda: f"paged_attention: kv_cache {list(kv_cache.shape)} is not [slots, 2, {hkv}, {d}]")
-    torch._check(kv_cache.shape[0] % block_size == 0,
+    shape_check(kv_cache.shape[0] % block_size == 0,
                  lambda: f"paged_attention: {kv_cache.shape[0]} cache slots are no multiple of {block_size}")
-    torch._check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == t,
+    shape_check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == t,
                  lambda: f"paged_attention: slot_mapping {list(slot_mapping.shape)} for {t} tokens")
-    torch._check(query_start_loc.dim() == 1 and query_start_loc.shape[0] == r + 1,
+    shape_check(query_start_loc.dim() == 1 and query_start_loc.shape[0] == r + 1,
                  lambda: f"paged_attention: query_start_loc {list(query_start_loc.shape)} for {r} requests")
-    torch._check(block_table.dim() == 2 and block_table.shape[0] == r,
+    shape_check(block_table.dim() == 2 and block_table.shape[0] == r,
                  lambda: f"paged_attention: block_table {list(block_table.shape)} for {r} requests")
 
 

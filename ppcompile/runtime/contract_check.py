@@ -24,7 +24,7 @@ import torch
 
 from ppcompile.capturable import Metadata, Rows, capturable_break
 from ppcompile.runtime.whole_stage import pad_metadata
-from ppcompile.torch_internals.ops import qualified_op_name
+from ppcompile.torch_internals.ops import OpOverloadPacket, qualified_op_name
 
 __all__ = ["CapturableContractError", "check_capturable"]
 
@@ -34,7 +34,7 @@ class CapturableContractError(AssertionError):
 
 
 def _schema(op: Any) -> Any:
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, OpOverloadPacket):
         op = getattr(op, op.overloads()[0])
     return op._schema
 

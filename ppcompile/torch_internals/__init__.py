@@ -34,8 +34,8 @@ __all__ = [
     "has_internal_overlap", "inductor_compile", "inductor_config_copy", "is_float_symbol",
     "last_guard_failure", "mark_dynamic", "nested_compile_region", "qualified_op_name",
     "raise_recompile_limit", "recompile_limit", "region_traces_reused", "register_backend", "reset_dynamo",
-    "resolve_process_group", "restart_analysis",
-    "restart_with_floats_specialized", "shape_env_facts", "shape_env_guards", "shape_env_hints",
+    "resolve_process_group", "restart_analysis", "restart_with_floats_specialized", "shape_check",
+    "shape_env_facts", "shape_env_guards", "shape_env_hints",
     "static_fake_mode", "storage_from_data_pointer", "symint_shape_env", "sympy_interp_logger_name",
     "sympy_interp_python", "trace_artifact", "tracing_context", "tree_leaves", "without_dynamo_disable",
     "written_arguments",
@@ -46,6 +46,9 @@ __all__ = [
 #: Flattens nested lists, tuples and dicts (an op's ``(args, kwargs)``) to their leaves.
 tree_leaves: Callable[[Any], list[Any]] = _lookup(
     "torch.utils._pytree", "tree_leaves", "to flatten op arguments")
+
+#: ``torch._check(cond, message)``: states a relation of sizes (in a fake kernel, also to the shape env).
+shape_check: Callable[..., None] = _lookup("torch", "_check", "to state shape relations in fake kernels")
 
 #: The C function behind ``F.scaled_dot_product_attention`` (Dynamo may record either).
 C_SCALED_DOT_PRODUCT_ATTENTION: Callable[..., Any] = _lookup(
