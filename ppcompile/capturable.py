@@ -44,7 +44,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from ppcompile.torch_internals.ops import qualified_op_name
+from ppcompile.torch_internals.ops import op_schema, qualified_op_name
 
 __all__ = ["CapturableBreak", "Metadata", "Rows", "capturable_break", "capturable_breaks",
            "declare_capturable", "forget_capturable"]
@@ -103,7 +103,7 @@ _DECLARED: dict[str, CapturableBreak] = {}
 
 
 def _schema_arguments(op: Any) -> list[str] | None:
-    schema = getattr(getattr(op, "default", op), "_schema", None)
+    schema = op_schema(op)
     return None if schema is None else [a.name for a in schema.arguments]
 
 

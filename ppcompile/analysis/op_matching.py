@@ -16,6 +16,7 @@ from ppcompile.torch_internals import (
     OpOverloadPacket,
     qualified_op_name,
 )
+from ppcompile.torch_internals.ops import op_schema
 
 __all__ = [
     "ATTENTION_LAYER_ARGS",
@@ -155,10 +156,7 @@ def argument_of(node: torch.fx.Node, name: str) -> Any:
     None when not passed)."""
     if name in node.kwargs:
         return node.kwargs[name]
-    target: Any = node.target
-    if isinstance(target, OpOverloadPacket):
-        target = getattr(target, target.overloads()[0])
-    names = [a.name for a in target._schema.arguments]
+    names = [a.name for a in op_schema(node.target).arguments]
     k = names.index(name) if name in names else len(node.args)
     return node.args[k] if k < len(node.args) else None
 

@@ -23,20 +23,14 @@ from typing import Any
 import torch
 
 from ppcompile.capturable import Metadata, Rows, capturable_break
-from ppcompile.runtime.whole_stage import pad_metadata
-from ppcompile.torch_internals.ops import OpOverloadPacket, qualified_op_name
+from ppcompile.runtime.whole_stage import live_requests, metadata_buffer, pad_metadata
+from ppcompile.torch_internals.ops import op_schema, qualified_op_name
 
 __all__ = ["CapturableContractError", "check_capturable"]
 
 
 class CapturableContractError(AssertionError):
     """A declared capturable op broke its contract on a padded call (the message names the promise)."""
-
-
-def _schema(op: Any) -> Any:
-    if isinstance(op, OpOverloadPacket):
-        op = getattr(op, op.overloads()[0])
-    return op._schema
 
 
 def _live_tokens(values: dict[str, Any], metadata: dict[str, Metadata]) -> int:
@@ -50,11 +44,7 @@ def _live_tokens(values: dict[str, Any], metadata: dict[str, Metadata]) -> int:
 
 
 def _padded(value: torch.Tensor, meta: Metadata, tokens: int, requests: int) -> torch.Tensor:
-    rows = tokens if meta.rows is Rows.TOKENS else requests + (meta.rows is Rows.REQUEST_STARTS)
-    shape = [rows, *value.shape[1:]]
-    for d, size in meta.capacity.items():
-        shape[d] = size
-    buf = torch.full(shape, meta.pad, dtype=value.dtype, device=value.device)
+    buf = metadata_buffer(value, meta, tokens, requests)
     pad_metadata(buf, value, meta)
     return buf
 
@@ -81,18 +71,17 @@ def check_capturable(op: Any, *args: Any, bucket: int, requests: int | None = No
     if entry is None:
         raise ValueError(f"check_capturable: {name} is not declared capturable "
                          "(ppcompile.declare_capturable)")
-    schema = _schema(op)
+    schema = op_schema(op)
     names = [a.name for a in schema.arguments]
     values = {**dict(zip(names, args)), **kwargs}
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     metadata = dict(entry.metadata)
     n = _live_tokens(values, metadata)
-    live_requests = next((int(values[k].shape[0]) - (m.rows is Rows.REQUEST_STARTS)
-                          for k, m in metadata.items() if m.rows is not Rows.TOKENS), 0)
+    live = next((r for k, m in metadata.items() if (r := live_requests(m, values[k])) is not None), 0)
     capacity = requests if requests is not None else entry.requests_for(bucket)
-    if bucket < n or capacity < live_requests:
+    if bucket < n or capacity < live:
         raise ValueError(f"check_capturable: bucket {bucket} / requests {capacity} hold fewer than the "
-                         f"call's {n} tokens / {live_requests} requests")
+                         f"call's {n} tokens / {live} requests")
     padded: dict[str, Any] = {}
     for k, (key, value) in enumerate(values.items()):
         if key in metadata:

@@ -79,13 +79,18 @@ class WholeStagePlan:
         return bucket if self.max_requests is None else min(bucket, self.max_requests)
 
 
-def _rows(meta: Metadata, tokens: int, requests: int) -> int:
-    if meta.rows is Rows.TOKENS:
-        return tokens
-    return requests + 1 if meta.rows is Rows.REQUEST_STARTS else requests
+def metadata_buffer(value: torch.Tensor, meta: Metadata, tokens: int, requests: int) -> torch.Tensor:
+    """A buffer for metadata like ``value`` at ``tokens`` rows or ``requests`` requests (by ``meta.rows``)
+    and ``meta``'s capacities, all padding: a forward of nothing (request starts all 0)."""
+    rows = tokens if meta.rows is Rows.TOKENS else requests + (meta.rows is Rows.REQUEST_STARTS)
+    shape = [rows, *value.shape[1:]]
+    for d, size in meta.capacity.items():
+        shape[d] = size
+    return torch.full(shape, meta.pad, dtype=value.dtype, device=value.device)
 
 
-def _live_requests(meta: Metadata, value: torch.Tensor) -> int | None:
+def live_requests(meta: Metadata, value: torch.Tensor) -> int | None:
+    """The live requests metadata ``value`` holds rows for (None for token rows)."""
     if meta.rows is Rows.REQUESTS:
         return int(value.shape[0])
     if meta.rows is Rows.REQUEST_STARTS:
@@ -180,7 +185,7 @@ class WholeGraphs:
         for spec in self._metadata:
             assert spec.metadata is not None
             value = args[spec.slot]
-            requests = _live_requests(spec.metadata, value)
+            requests = live_requests(spec.metadata, value)
             if requests is not None and requests > capacity:
                 return False
             if spec.metadata.rows is Rows.TOKENS and value.shape[0] != n:
@@ -263,10 +268,7 @@ class WholeGraphs:
                 statics.append(torch.zeros(shape, dtype=value.dtype, device=value.device))
             elif spec.role == "metadata":
                 assert spec.metadata is not None
-                shape = [_rows(spec.metadata, b, requests), *value.shape[1:]]
-                for d, size in spec.metadata.capacity.items():
-                    shape[d] = size
-                statics.append(torch.full(shape, spec.metadata.pad, dtype=value.dtype, device=value.device))
+                statics.append(metadata_buffer(value, spec.metadata, b, requests))
             else:
                 statics.append(value)
         for symbol, slot, dim in self.plan.bound_symbols:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from ppcompile.torch_internals.lookup import lookup
 
-__all__ = ["OpOverload", "OpOverloadPacket", "qualified_op_name"]
+__all__ = ["OpOverload", "OpOverloadPacket", "op_schema", "qualified_op_name"]
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload, OpOverloadPacket
@@ -21,3 +21,11 @@ def qualified_op_name(target: Any) -> str | None:
     if isinstance(target, OpOverload):
         target = target.overloadpacket
     return str(target._qualified_op_name) if isinstance(target, OpOverloadPacket) else None
+
+
+def op_schema(target: Any) -> Any:
+    """The ``FunctionSchema`` of a torch op, given as an overload or its packet (its first overload's), or
+    None for any other callable."""
+    if isinstance(target, OpOverloadPacket):
+        target = getattr(target, target.overloads()[0])
+    return target._schema if isinstance(target, OpOverload) else None
