@@ -7,8 +7,8 @@ with a bad input (a missing proxy key makes the model raise while Dynamo traces 
 later call as the functions its forward calls, each compiled on its own: several stage graphs per forward,
 each capturing its buckets. So:
 
-* the end of every Dynamo compile is watched; a recompile of a stage frame that reached no backend call
-  (the trace raised) is reported once (a warning, ``counters.input_recompiles``);
+* the end of every Dynamo compile is watched; a recompile of a stage frame that raised and reached no
+  backend call (the trace raised) is reported once (a warning, ``counters.input_recompiles``);
 * at the next Dynamo compile, or the next call of a graph compiled inside that uncompiled call, the frame
   is turned back on (``torch_internals.frames.compile_again``): its next call is served by its stage
   graphs again;
@@ -83,9 +83,11 @@ def note_backend_call(frame: int | None, compile_index: int | None) -> None:
             _reached_backend.add((frame, compile_index))
 
 
-def _on_end(compile_id: str) -> None:
+def _on_end(compile_id: str, failed: bool) -> None:
     ids = _parse(compile_id)
-    if ids is None or ids[1] == 0 or ids[1] >= recompile_limit():  # at the limit Dynamo's choice stands
+    if not failed or ids is None or ids[1] == 0 or ids[1] >= recompile_limit():
+        # A compile that ended well and never called this backend compiled for another one (the stage
+        # compiled with backend="eager" beside, say); at the limit Dynamo's choice stands.
         return
     with _lock:
         _forget_an_older_generation()

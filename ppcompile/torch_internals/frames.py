@@ -4,6 +4,7 @@ comes from (the call's arguments, or state the frame reaches otherwise)."""
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -24,12 +25,14 @@ def compiling_code() -> types.CodeType | None:
     return code if isinstance(code, types.CodeType) else None
 
 
-def watch_compiles(on_start: Callable[[str], None], on_end: Callable[[str], None]) -> None:
-    """Calls ``on_start`` and ``on_end`` with the compile id (``"0/1"``) at the start and the end of every
-    Dynamo compile of a frame, a failed one included."""
+def watch_compiles(on_start: Callable[[str], None], on_end: Callable[[str, bool], None]) -> None:
+    """Calls ``on_start`` with the compile id (``"0/1"``) at the start of every Dynamo compile of a frame,
+    and ``on_end`` with the id and whether the compile raised at its end. Dynamo runs the end callbacks
+    while the compile's error propagates (they are the ``finally`` of a context manager around it), so
+    the error in flight tells a failed compile from one that handed its graph to another backend."""
     handler = _lookup("torch._dynamo.callback", "callback_handler", "to see compiles that fail")
     handler.register_start_callback(lambda args: on_start(str(_compile_id(args))))
-    handler.register_end_callback(lambda args: on_end(str(_compile_id(args))))
+    handler.register_end_callback(lambda args: on_end(str(_compile_id(args)), sys.exc_info()[1] is not None))
 
 
 def _compile_id(args: Any) -> Any:

@@ -147,3 +147,30 @@ def test_a_missing_proxy_key_leaves_later_good_calls_on_the_stage_graph(
     assert stage_runtimes() == first_runtimes and len(first_runtimes) == 1
     assert counters.input_recompiles >= 1
     assert len([w for w in _warnings(caplog) if "could not recompile the frame" in w]) == 1
+
+
+def test_the_stage_compiled_for_another_backend_beside_is_no_failed_recompile(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An engine compiles the same stage with ``backend="eager"`` beside it (a reference run): Dynamo
+    recompiles the shared frame for that backend, and the compile succeeds without calling this one. No
+    failed recompile is reported, and the ``pp_breakable`` stage keeps serving from its graphs."""
+    stage = make_stage(PP_CFG, 1, 2)
+    compiled = torch.compile(stage, backend="pp_breakable", options={**OPTIONS, "capture_sizes": [8, 16]})
+    reference = torch.compile(stage, backend="eager")
+    for i, n in enumerate([5, 6, 7, 12]):
+        ids, positions, proxies = make_batch(PP_CFG, [n], 1, 2, seed=i)
+        if i == 0:
+            ppcompile.mark_token_dynamic(ids, positions, proxies)
+        ctx = make_forward_context([n], PP_CFG, range(stage.start_layer, stage.end_layer))
+        with torch.inference_mode(), set_forward_context(ctx):
+            want = stage(ids, positions, pp_proxy_tensors=proxies)
+            if i == 0:
+                got = compiled(ids, positions, pp_proxy_tensors=proxies)
+            else:
+                with counters.expect(replays=1, eager_runs=0):
+                    got = compiled(ids, positions, pp_proxy_tensors=proxies)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(reference(ids, positions, pp_proxy_tensors=proxies), want)
+    assert counters.input_recompiles == 0
+    assert not [w for w in _warnings(caplog) if "could not recompile the frame" in w]
+    assert len(stage_runtimes()) == 1

@@ -34,7 +34,8 @@ def test_compiling_code_is_the_frame_being_compiled_and_none_outside() -> None:
 def test_watch_compiles_sees_a_failed_compile_end_and_compile_again_undoes_the_skip() -> None:
     starts: list[str] = []
     ends: list[str] = []
-    watch_compiles(starts.append, ends.append)
+    failed: list[bool] = []
+    watch_compiles(starts.append, lambda compile_id, raised: (ends.append(compile_id), failed.append(raised)))
     seen: list[Any] = []
 
     def stage(x: torch.Tensor, fail: bool) -> torch.Tensor:
@@ -47,9 +48,10 @@ def test_watch_compiles_sees_a_failed_compile_end_and_compile_again_undoes_the_s
     with pytest.raises(ValueError, match="a bad input"):
         compiled(torch.randn(3), True)  # its recompile raises: Dynamo runs stage uncompiled from now on
     assert starts[:2] == ends[:2] == ["0/0", "0/1"] and len(seen) == 1
+    assert failed[:2] == [False, True]  # the recompile's end sees its error in flight
     compiled(torch.randn(3), False)
     assert len(seen) == 1 and ends[-1] == "0/1"  # skipped: no compile, not even a cache lookup
     compile_again(stage.__code__)
     with pytest.raises(ValueError, match="a bad input"):
         compiled(torch.randn(3), True)
-    assert ends[-1] == "0/2"  # looked up and compiled again
+    assert ends[-1] == "0/2" and failed[-1]  # looked up and compiled again
