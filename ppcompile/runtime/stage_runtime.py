@@ -15,11 +15,11 @@ Per call with ``n`` live tokens:
    ``owned_outputs``), or with ``owned_outputs=False`` views valid until the next call (with
    ``debug=True``, copies that expire then, ``stale_outputs.py``).
 
-The runtime keeps the policy: which bucket, the eager fallbacks, when and in which order to capture,
-the group's agreement, fall-offs. Graphs and static buffers belong to the module state they read: one
-``StageInstance`` per set of parameter tensors (``instance.py``), which owns its call (one at a time,
-``ConcurrentCallError``; aliased inputs, owned outputs, stale-output tracking) and its capture
-bookkeeping; the runtime reads its state and assigns none. Its executors come from the runtime's
+The runtime keeps the policy: which bucket, the eager fallbacks, when and in which order to capture
+(``capture_policy.py``), the group's agreement, fall-offs. Graphs and static buffers belong to the module
+state they read: one ``StageInstance`` per set of parameter tensors (``instance.py``), which owns its call
+(one at a time, ``ConcurrentCallError``; aliased inputs, owned outputs, stale-output tracking) and its
+capture bookkeeping; the runtime reads its state and assigns none. Its executors come from the runtime's
 executor factory (``executor=`` / :meth:`StageRuntime.use_executor`; default
 ``executors.make_executor``). What each failure leaves behind is in docs/reliability.md.
 """
@@ -37,8 +37,8 @@ import torch
 
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
-from ppcompile.errors import add_note
 from ppcompile.planning.traffic import TokenHistogram, process_histogram
+from ppcompile.runtime.capture_policy import CapturePolicy
 from ppcompile.runtime.codegen import make_live_forward
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.executors import ExecutorFactory, make_executor
@@ -48,18 +48,16 @@ from ppcompile.runtime.fall_offs import (
     FALL_OFF_CAUSES,
     NEVER_GRAPHS,
     RECOMPILE_LIMIT,
-    WHOLE_CAPTURE_FAILED,
     FallOffs,
 )
 from ppcompile.runtime.graph_path import Wrap
-from ppcompile.runtime.group_agreement import Agreement, GroupDivergenceError, agreement_for
+from ppcompile.runtime.group_agreement import Agreement, agreement_for
 from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import ConcurrentCallError, StageInstance
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureRecord
 from ppcompile.runtime.sibling_graphs import StaticCalls
 from ppcompile.runtime.token_counts import TokenCounts
 from ppcompile.runtime.validation import InputMismatchError, check_inputs
-from ppcompile.runtime.whole_stage import WholeGraphs
 
 __all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_GRAPHS",
            "RECOMPILE_LIMIT", "ConcurrentCallError", "StageRuntime"]
@@ -67,7 +65,7 @@ __all__ = ["BUCKET_CAPTURE_FAILED", "CAPTURE_FAILED", "FALL_OFF_CAUSES", "NEVER_
 log = logging.getLogger(__name__)
 
 
-class StageRuntime(StageInspection):
+class StageRuntime(StageInspection, CapturePolicy):
     """The callable the ``pp_breakable`` backend hands back to Dynamo for one stage graph (its inspection
     and instrumentation API, ``describe()``, ``instances()``, ``instrumented(...)``, ..., is in
     ``inspection.py``)."""
@@ -222,23 +220,6 @@ class StageRuntime(StageInspection):
                 return self.run_eager(args)
             return state.serve(args, env_n, n, b, self._wrap)
 
-    def _whole_bucket(self, whole: WholeGraphs, args: tuple[Any, ...], n: int) -> int | None:
-        """The whole-stage bucket serving this call, captured at its first use, or None (breakable)."""
-        wb = whole.bucket_for(args, n)
-        if self._agreement.size > 1 and (self._debug or (wb is not None and not whole.captured(wb))):
-            self._agreement.check_same("the whole-stage bucket", [wb or 0], self.name)
-        if wb is None or whole.captured(wb):
-            return wb
-        failure = whole.capture(args, n, wb)
-        self._note_whole_failure(wb, failure)
-        return wb if failure is None else None
-
-    def _note_whole_failure(self, wb: int, failure: str | None) -> None:
-        if failure is not None:
-            self.note_fall_off(WHOLE_CAPTURE_FAILED, f"the whole-stage graph of bucket {wb} failed to "
-                               f"capture ({failure}); its forwards take the breakable path. Fix the op the "
-                               "error names, or withdraw its capture declaration")
-
     def _probe(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The first call of a recompile for inputs of another structure (``record.input_changes``: most
         likely a bad input) runs eagerly: a bad input raises, named, before any capture."""
@@ -271,124 +252,3 @@ class StageRuntime(StageInspection):
         counters.eager_runs += 1
         env = self._env(args, self.num_tokens(args)) if self.token_symbol is not None else self._env(args, 0)
         return self.live_forward(args, env)
-
-    # ----------------------------------------------------------------------------------- capture
-    def _state_key(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        # Graphs read module state in place and bake constant host scalars (a norm's eps) at capture:
-        # key the captured graphs by the identity of the one and the value of the other, and by
-        # inference mode, whose tensors (static buffers, graph outputs) cannot be written outside it. A
-        # scalar on the device is read in place like state (and reading its value would sync per call).
-        return (
-            torch.is_inference_mode_enabled(),
-            *map(id, [args[i] for i in self.compiled.state_slots]),
-            *[a.item() if (a := args[i]).device.type == "cpu" else id(a) for i in self.compiled.scalar_slots],
-        )
-
-    def _state_for(self, args: tuple[Any, ...]) -> StageInstance:
-        key = self._state_key(args)
-        state = self._states.get(key)
-        if state is None:
-            with self._capture_lock:  # two threads' first calls capture once
-                state = self._states.get(key)
-                if state is None:
-                    state = self._capture_or_explain(args, key)
-        return state
-
-    def _capture_or_explain(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> StageInstance:
-        """``_capture``, with what happens next added to its error.
-
-        A failed capture turns graphs off for this module instance (``state.failed``: later calls run
-        eagerly, with a warning). An interrupt (``KeyboardInterrupt``, ``SystemExit``) is not a failure
-        of the stage: the half-made state is dropped and the next call captures again.
-        """
-        try:
-            return self._capture(args, key)
-        except GroupDivergenceError:
-            raise  # bad input: nothing was captured, and the next call tries again
-        except Exception as e:
-            eager_error = self._eager_error(args) if self._agreement.size == 1 else None
-            if eager_error is not None:  # a bad input (or a model bug), not a capture failure
-                self._states.pop(key, None)
-                add_note(eager_error, f"pp_breakable: {self.name}'s capture failed on this call, and the "
-                         "forward fails without graphs too (this error): not a capture failure, so graphs "
-                         "stay on and the next call captures again")
-                raise eager_error from e
-            add_note(e, f"pp_breakable: graphs are off for this module instance of {self.name}; later "
-                      "calls run eagerly")
-            self.note_fall_off(CAPTURE_FAILED, f"graphs are off for a module instance after its capture "
-                               f"failed ({type(e).__name__}: {e}); its forwards run eagerly. Fix the op the "
-                               "error names, make it a break (split_ops), or use capture='lazy' to keep "
-                               "the buckets that capture")
-            if self._agreement.size > 1 and key in self._states:
-                # Every rank saw it (settled): all serve eagerly; one that raised would strand the others.
-                log.warning("%s: capture failed; every rank of the TP group serves eagerly", self.name)
-                return self._states[key]
-            raise
-        except BaseException as e:
-            self._states.pop(key, None)
-            add_note(e, f"pp_breakable: capture of {self.name} was interrupted; nothing it captured is "
-                      "kept, and the next call captures again")
-            raise
-
-    def _eager_error(self, args: tuple[Any, ...]) -> Exception | None:
-        """What the call raises on the live path (no graphs; not a served forward), or None."""
-        try:
-            self.live_forward(args, self._env(args, self.num_tokens(args)))
-        except Exception as e:
-            return e
-        return None
-
-    def _capture(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> StageInstance:
-        """A new instance (static buffers allocated); with ``capture="all"`` every (graph segment, bucket)
-        captured, largest bucket first (one failure turns graphs off for the instance). ``"lazy"``
-        captures nothing here: each bucket at its first use (``_capture_lazily``)."""
-        n = self.num_tokens(args)
-        env = self._env(args, n)
-        env_max = {**env, self.token_symbol: max(self.plan.sizes)}
-        state = StageInstance(self.compiled, self.config, args, env_max, runs=self._capture_runs,
-                              agreement=self._agreement, executor=self._executor,
-                              live_forward=self.live_forward)
-        self._states[key] = state  # kept even when capture fails: later calls see state.failed
-        if self.config.capture == "all":
-            state.capture_all(args, env, sorted(self.plan.sizes, reverse=True), self._observer)
-            if state.whole is not None:  # whole-stage buckets too, largest first, with no live row
-                for wb in reversed(state.whole.buckets):
-                    self._note_whole_failure(wb, state.whole.capture(args, n, wb, empty=True))
-        return state
-
-    def _capture_lazily(self, state: StageInstance, args: tuple[Any, ...], b: int) -> bool:
-        """``capture="lazy"``: captures bucket ``b`` at its first use (at the first call of the instance,
-        with a ``capture_budget_s``, more buckets in order of value until the budget is spent); True
-        when ``b`` can replay. A bucket whose capture fails runs eagerly from then on, one warning."""
-        if b in state.failed_buckets:
-            return False
-        order = [b]
-        budget = self.config.capture_budget_s
-        if budget is not None and not state.tables:
-            order += [s for s in self.bucket_values() if s != b]
-        n = self.num_tokens(args)
-        self._agreement.check_same("the token count, bucket and options of a lazy capture",
-                                   [n, b, self._options_key, len(order)], self.name)
-        order = self._agreement.leader(order)  # the process's traffic may differ between ranks
-        failure = state.capture_lazily(args, self._env(args, n), order, self._observer, budget)
-        if failure is None:
-            return True
-        failed, why = failure
-        what = (f"capture of bucket {failed} failed, so the forwards it would serve run eagerly (the "
-                f"other buckets keep their graphs): {why}")
-        if BUCKET_CAPTURE_FAILED in self._fall_offs:
-            log.info("%s: %s", self.name, what)
-        self.note_fall_off(BUCKET_CAPTURE_FAILED, f"{what}; fix the op the error names, or make it a "
-                           "break (split_ops)")
-        return b in state.tables
-
-    def bucket_values(self) -> list[int]:
-        """The buckets in the order a capture budget spends on them: by the live tokens the process has
-        served with each (``ppcompile.token_histogram()``, e.g. merged from a saved traffic file before
-        the first call), then largest first."""
-        served = dict.fromkeys(self.plan.sizes, 0)
-        for n, count in process_histogram().counts().items():
-            b = self.plan.bucket(n)
-            if b is not None:
-                served[b] += count * n
-        return sorted(self.plan.sizes, key=lambda s: (-served[s], -s))
