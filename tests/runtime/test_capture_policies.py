@@ -25,7 +25,7 @@ from mixer_runtime import (
 from runtime_helpers import CaptureHooks, fail_at_bucket
 
 from ppcompile import counters
-from ppcompile.runtime import stage_runtime
+from ppcompile.runtime import capture_policy, stage_runtime
 from ppcompile.runtime.executors import Key
 from ppcompile.runtime.stage_runtime import StageRuntime
 
@@ -189,10 +189,15 @@ def test_a_budgeted_capture_failing_at_another_bucket_keeps_the_requested_one() 
 # ----------------------------------------------------------------------------------------- who does what
 def test_the_runtime_assigns_no_attribute_of_a_stage_instance() -> None:
     """``StageRuntime`` keeps policy; a call's state (lock, aliasing, owned copies, stale outputs, capture
-    failures) belongs to ``StageInstance``: ``stage_runtime.py`` assigns attributes of ``self`` only
-    (``state.owner = ...`` or ``setattr(state, ...)`` would put the ping-pong back), and of what it
-    imports (``counters.eager_runs += 1``)."""
-    tree = ast.parse(Path(stage_runtime.__file__).read_text())
+    failures) belongs to ``StageInstance``: ``stage_runtime.py`` and its capture policy assign attributes
+    of ``self`` only (``state.owner = ...`` or ``setattr(state, ...)`` would put the ping-pong back), and
+    of what they import (``counters.eager_runs += 1``)."""
+    for module in (stage_runtime, capture_policy):
+        _assert_assigns_only_its_own(Path(module.__file__).read_text())
+
+
+def _assert_assigns_only_its_own(source: str) -> None:
+    tree = ast.parse(source)
     imported = {a.asname or a.name for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
                 for a in node.names}
     foreign = []
