@@ -12,8 +12,9 @@ fall-off (``fall_offs.py``). ``StageRuntime`` inherits this from :class:`Capture
 from __future__ import annotations
 
 import logging
+import operator
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sympy
@@ -31,9 +32,19 @@ from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.observer import CaptureObserver, CaptureRecord
 from ppcompile.runtime.whole_stage import WholeGraphs
 
-__all__ = ["CapturePolicy"]
+__all__ = ["CapturePolicy", "items_of"]
 
 log = logging.getLogger(__name__)
+
+
+def items_of(slots: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A function returning ``tuple(args[i] for i in slots)``, in C (``operator.itemgetter``)."""
+    if not slots:
+        return lambda args: ()
+    if len(slots) == 1:
+        (slot,) = slots
+        return lambda args: (args[slot],)
+    return operator.itemgetter(*slots)
 
 
 class CapturePolicy:
@@ -52,6 +63,7 @@ class CapturePolicy:
     _fall_offs: FallOffs
     _debug: bool
     _options_key: int  # the options' hash, compared across a TP group
+    _module_state_of: Callable[[Sequence[Any]], tuple[Any, ...]]  # items_of(compiled.state_slots)
 
     # StageRuntime's methods.
     num_tokens: Callable[[tuple[Any, ...]], int]
@@ -80,9 +92,10 @@ class CapturePolicy:
         # key the captured graphs by the identity of the one and the value of the other, and by
         # inference mode, whose tensors (static buffers, graph outputs) cannot be written outside it. A
         # scalar on the device is read in place like state (and reading its value would sync per call).
+        # The hot path: one pass over the state in C (``itemgetter``, ``map``), no Python loop.
         return (
             torch.is_inference_mode_enabled(),
-            *map(id, [args[i] for i in self.compiled.state_slots]),
+            *map(id, self._module_state_of(args)),
             *[a.item() if (a := args[i]).device.type == "cpu" else id(a) for i in self.compiled.scalar_slots],
         )
 

@@ -38,7 +38,7 @@ import torch
 from ppcompile.config import PPBreakableConfig
 from ppcompile.counters import counters
 from ppcompile.planning.traffic import TokenHistogram, process_histogram
-from ppcompile.runtime.capture_policy import CapturePolicy
+from ppcompile.runtime.capture_policy import CapturePolicy, items_of
 from ppcompile.runtime.codegen import make_live_forward
 from ppcompile.runtime.compiled_stage import CompiledStage
 from ppcompile.runtime.executors import ExecutorFactory, make_executor
@@ -80,6 +80,12 @@ class StageRuntime(StageInspection, CapturePolicy):
         self._observer = observer or NO_OBSERVER
         self._executor: ExecutorFactory = executor or make_executor
         self._states: dict[tuple[Any, ...], StageInstance] = {}
+        # What each call reads, looked up once: the state tensors of its args, where its token count is.
+        self._module_state_of = items_of(compiled.state_slots)
+        self._token_slot = compiled.token_slot
+        self._token_dim = compiled.token_input or (0, 0)  # where the count is when no input holds it
+        assert compiled.token_symbol is None or (self._token_slot, compiled.token_input) != (None, None)
+        self._symbol_slots = compiled.symbol_slots
         self._capture_runs: list[CaptureRecord] = []  # every instance's capture runs, oldest first
         self.live_forward = make_live_forward(compiled.program, compiled.name, compiled.live_checks)
         self._wrap: Wrap | None = None  # instrumented(): the hook its block wraps graph paths with
@@ -140,16 +146,16 @@ class StageRuntime(StageInspection, CapturePolicy):
 
     def num_tokens(self, args: tuple[Any, ...]) -> int:
         """The live token count of a call."""
-        if self.compiled.token_slot is not None:
-            return int(args[self.compiled.token_slot])
-        assert self.compiled.token_input is not None
-        i, d = self.compiled.token_input
+        if self._token_slot is not None:
+            return int(args[self._token_slot])
+        i, d = self._token_dim
         return int(args[i].shape[d])
 
     def _env(self, args: tuple[Any, ...], tokens: int) -> dict[sympy.Symbol, int]:
-        env = {e: int(args[i]) for i, e in self.compiled.symbol_slots}
-        if self.token_symbol is not None:
-            env[self.token_symbol] = tokens
+        env = {e: int(args[i]) for i, e in self._symbol_slots} if self._symbol_slots else {}
+        token = self.compiled.token_symbol
+        if token is not None:
+            env[token] = tokens
         return env
 
     @property
@@ -182,35 +188,39 @@ class StageRuntime(StageInspection, CapturePolicy):
         return self._call(args)
 
     def _call(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        if self.token_symbol is None:  # concrete sizes: no token count to record or pad
+        # The hot path: the compiled stage's facts are read once into locals.
+        compiled = self.compiled
+        if compiled.token_symbol is None:  # concrete sizes: no token count to record or pad
             return self.run_eager(args) if self.served_by is None else self.served_by(args)
         n = self.num_tokens(args)
-        self._agreement.check_call([n, self._options_key, len(self.plan.sizes)], self.name, self._debug)
+        if self._agreement.size > 1:
+            self._agreement.check_call([n, self._options_key, len(compiled.plan.sizes)], compiled.name,
+                                       self._debug)
         if n > 0:  # an empty batch is not traffic
             self.traffic.record(n)
         if self.token_counts.differ(args, n):
             return self.token_counts.run_eager(args)
-        if self.eager_reason is not None:
+        if compiled.eager_reason is not None:
             return self.run_eager(args)
-        b = self.plan.bucket(n)
-        whole_plan = self.compiled.whole  # beyond the padding guard, a whole-stage graph may still serve
+        b = compiled.plan.bucket(n)
+        whole_plan = compiled.whole  # beyond the padding guard, a whole-stage graph may still serve
         if b is None and (whole_plan is None or n > whole_plan.max_tokens):
             return self.run_eager(args)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             self._warn_once("grad", "%s: inputs require grad with autograd enabled, so forwards run "
                             "eagerly; run inference under torch.inference_mode() or torch.no_grad() to "
-                            "use graphs", self.name)
+                            "use graphs", compiled.name)
             return self.run_eager(args)
         if self._probe_inputs:
             return self._probe(args)
         env_n = self._env(args, n)
         # Checked before anything is captured or written: a rejected call leaves every buffer as it was.
-        check_inputs(self.compiled.input_specs, args, self.program.num_inputs, env_n, self.name,
+        check_inputs(compiled.input_specs, args, compiled.program.num_inputs, env_n, compiled.name,
                      self._token_source)
-        state = self._state_for(args)
+        state = self._states.get(self._state_key(args)) or self._state_for(args)
         if state.failed is not None:
             return self.run_eager(args)  # the fall-off was noted when the capture failed
-        with state.claim(self.name):
+        with state.claim(compiled.name):
             whole = state.whole
             if whole is not None and (wb := self._whole_bucket(whole, args, n)) is not None:
                 return whole.serve(args, env_n, n, wb)
