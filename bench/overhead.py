@@ -22,6 +22,12 @@ tokens, so each op costs almost only its dispatch. Timed interleaved, medians of
   ppcompile's code itself; on this kind of machine a call after the host idled for 20 ms costs several
   times as much).
 
+One more plain call is profiled (``torch.profiler``; CUDA activity too on a GPU) with each copy-in and
+bridge copy marked, and the ops and CUDA runtime calls under each mark are listed with their host time:
+where a copy-in's time goes (issue 51: 384 µs for two small inputs on the first GPU run). On a GPU the
+host time of a graph launch through ``CUDAGraph.replay()`` and through ``cudaGraphLaunch`` is measured
+too (``graph_launch.py``).
+
 ``--out-variant`` builds the stage with the out-variant attention (``ppcompile::attention_with_output``,
 vLLM's form): the graph before each break allocates its output and the break writes it in place, so no
 bridge copy follows it (one torch dispatch less per graph segment).
@@ -53,6 +59,8 @@ import torch
 
 import ppcompile
 from bench.common import median, sync
+from bench.graph_launch import compare_launches
+from bench.graph_launch import markdown_lines as launch_lines
 from bench.report import describe_machine, machine_info, markdown_table, save_json
 from ppcompile.backends.pp_breakable import stage_runtimes
 from ppcompile.config import graph_path_mode
@@ -260,6 +268,8 @@ def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mod
             gc.enable()
         eager_us, dynamo_eager_us, compiled_us, runtime_us = (1e6 * median(times[k]) for k in names)
         ops = count_aten_ops(lambda: stage(ids, pos))
+        part_profile = profile_parts(runtime, args, device)
+    launches = compare_launches(device)
     segments = len(runtime.program.steps)
     graph_segments = sum(1 for s in runtime.program.steps if s.segment.is_graph)
     parts_us = {k: 1e6 * median([c.get(k, 0.0) for c in per_call]) for k in per_call[0]}
@@ -304,7 +314,54 @@ def run_overhead(device: torch.device | str = "cpu", iters: int = 300, graph_mod
         "noop_hot_us": hot_us,
         "noop_hot_us_per_graph_segment": None if hot_us is None else hot_us / graph_segments,
         "target_noop_us_per_graph_segment": TARGET_NOOP_US_PER_GRAPH_SEGMENT,
+        "part_profile": part_profile,
+        "graph_launch": launches,
     }
+
+
+def profile_parts(runtime: StageRuntime, args: tuple[Any, ...], device: torch.device,
+                  categories: Sequence[str] = ("copy-in", "bridge copies"), top: int = 6) -> dict[str, Any]:
+    """One instrumented call under ``torch.profiler`` with each part of ``categories`` marked: per
+    category, its calls, host µs in all, and the ``top`` ops (ATen ops, CUDA runtime calls) under the
+    marks by host µs of their own."""
+    marks = {c: f"ppbench::{c}" for c in categories}
+
+    def wrap(category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        mark = marks.get(category)
+        if mark is None:
+            return fn
+
+        def marked(*a: Any, **k: Any) -> Any:
+            with torch.profiler.record_function(mark):
+                return fn(*a, **k)
+
+        return marked
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with runtime.instrumented(wrap):
+        runtime(*args)  # binds the marked path
+        sync(device)
+        with torch.profiler.profile(activities=activities) as prof:
+            runtime(*args)
+            sync(device)
+    found: dict[str, dict[str, Any]] = {c: {"calls": 0, "host_us": 0.0, "ops": Counter()} for c in categories}
+    by_mark = {m: c for c, m in marks.items()}
+    for e in prof.events():
+        category = by_mark.get(e.name)
+        if category is None:
+            continue
+        part = found[category]
+        part["calls"] += 1
+        part["host_us"] += e.cpu_time_total
+        stack = list(e.cpu_children)
+        while stack:
+            child = stack.pop()
+            part["ops"][child.name] += child.self_cpu_time_total
+            stack.extend(child.cpu_children)
+    return {c: {"calls": p["calls"], "host_us": p["host_us"],
+                "ops": [[name, us] for name, us in p["ops"].most_common(top)]} for c, p in found.items()}
 
 
 def _args_dynamo_passes(runtime: StageRuntime, call: Callable[[], Any]) -> tuple[Any, ...]:
@@ -367,6 +424,7 @@ def markdown(result: dict[str, Any]) -> str:
         within = "within" if hot_seg <= r["target_noop_us_per_graph_segment"] else "ABOVE"
         rows.append(["the same, back to back (warm caches)", f"{hot:.0f}",
                      f"**{hot_seg:.2f} µs per graph segment** ({within} the target)"])
+    launch = launch_lines(r.get("graph_launch"))
     parts = sorted(r["parts_us"].items(), key=lambda kv: -kv[1])
     breakdown = ", ".join(f"{k} {v:.0f}" for k, v in parts)
     return "\n".join([
@@ -379,8 +437,22 @@ def markdown(result: dict[str, Any]) -> str:
         f"forward: {breakdown}. Runtime overhead is measured within each instrumented call (call - "
         f"segment bodies - {r['timer_us']:.2f} µs per timer), median over calls.",
         "",
+        *_profile_lines(r.get("part_profile")),
+        *([*launch, ""] if launch else []),
         f"Machine: {describe_machine(r['machine'])}.",
     ])
+
+
+def _profile_lines(profile: dict[str, Any] | None) -> list[str]:
+    """One line per profiled part: calls, host µs, and the ops under it."""
+    if not profile:
+        return []
+    lines = []
+    for category, part in profile.items():
+        ops = ", ".join(f"`{name}` {us:.0f}" for name, us in part["ops"]) or "none"
+        lines.append(f"Profiled call, {category}: {part['calls']} call(s), {part['host_us']:.0f} µs of host "
+                     f"time; under it (µs of their own): {ops}.")
+    return [*lines, ""]
 
 
 def _floats_note(r: dict[str, Any]) -> str:

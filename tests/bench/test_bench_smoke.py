@@ -136,6 +136,11 @@ def test_bench_command_runs_every_benchmark_and_writes_the_docs(tmp_path: Path) 
     ov = json.loads((out / "overhead.json").read_text())
     assert (ov["segments"], ov["graph_segments"]) == (5, 3)  # 2 layers: 3 graph segments, 2 attention breaks
     assert ov["eager_ops"] > 0 and "segment bodies" in ov["parts_us"] and ov["graph_mode"] == "emulate"
+    assert ov["noop_hot_us"] > 0 and ov["noop_us"] > 0
+    copy_in, bridges = ov["part_profile"]["copy-in"], ov["part_profile"]["bridge copies"]
+    assert copy_in["calls"] == 2 and bridges["calls"] == 2  # ids and positions; one per attention break
+    assert "aten::copy_" in {name for name, _ in copy_in["ops"]} and copy_in["host_us"] > 0
+    assert ov["graph_launch"] is None  # CUDA only
 
     text = docs.read_text()
     for key in ("prefill", "prefill-cpu", "prefill-gpu"):
