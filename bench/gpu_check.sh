@@ -7,7 +7,9 @@
 #                       a one-rank NCCL TP stage among them
 #   throughput_profile  prefill throughput with CUDA graphs, then wall vs busy (one process, one compile)
 #   overhead            the runtime's host overhead per forward and per segment
+#                       (and what a copy-in calls; CUDAGraph.replay() vs a direct cudaGraphLaunch)
 #   lazy_capture        startup: graphs captured and first-forward seconds, all vs lazy vs planned ladder
+#                       (and where each graph's capture time goes: warm-ups, begin, recording, end)
 #   fold_segments       where folding a tiny graph segment into its breaks stops paying
 #   launches            launches outside graph replays per forward (torch vs fused copies)
 #   fused_copy          the fused copy kernel's host time against per-tensor torch ops
