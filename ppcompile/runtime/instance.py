@@ -320,7 +320,7 @@ class StageInstance:
         graph_steps = compiled.program.graph_steps
         start = time.perf_counter()
         held = (*self._buffers.values(), *self.module_state)
-        meter = CaptureMeter(compiled.graph_mode, len(graph_steps), held, start)
+        meter = CaptureMeter(compiled.graph_mode, len(graph_steps), held, start, self._device())
         run = observer(CaptureStart(compiled.name, compiled.graph_mode, len(graph_steps), len(buckets)))
         try:
             with torch.no_grad(), self.executor.capture_session():

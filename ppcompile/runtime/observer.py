@@ -91,12 +91,15 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 class CaptureMeter:
-    """Measures one capture run: ``bucket_done`` per bucket (its slot table), then ``record``."""
+    """Measures one capture run: ``bucket_done`` per bucket (its slot table), then ``record``. Graph memory
+    is the growth of reserved CUDA memory on ``device``, the stage's (None: the current device)."""
 
-    def __init__(self, graph_mode: str, graphs_per_bucket: int, held: Iterable[Any], start: float) -> None:
+    def __init__(self, graph_mode: str, graphs_per_bucket: int, held: Iterable[Any], start: float,
+                 device: torch.device | None = None) -> None:
         self._mode = graph_mode
         self._graphs = graphs_per_bucket
         self._on_cuda = graph_mode == "cuda" and torch.cuda.is_available()
+        self._device = device if device is not None and device.type == "cuda" else None
         # Storages that are not graph outputs (static buffers, module state): never counted.
         self._seen = {_storage_key(t) for t in held if isinstance(t, torch.Tensor)}
         self._buckets: list[BucketCapture] = []
@@ -104,7 +107,7 @@ class CaptureMeter:
         self._reserved_start = self._reserved_last = self._reserved()
 
     def _reserved(self) -> int | None:
-        return int(torch.cuda.memory_reserved()) if self._on_cuda else None
+        return int(torch.cuda.memory_reserved(self._device)) if self._on_cuda else None
 
     def bucket_done(self, bucket: int, table: Sequence[Any]) -> BucketCapture:
         """Records ``bucket`` as captured; ``table`` is its slot table (graph outputs filled in)."""
