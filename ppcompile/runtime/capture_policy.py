@@ -30,6 +30,7 @@ from ppcompile.runtime.fall_offs import BUCKET_CAPTURE_FAILED, CAPTURE_FAILED, W
 from ppcompile.runtime.group_agreement import Agreement, GroupDivergenceError
 from ppcompile.runtime.instance import StageInstance
 from ppcompile.runtime.observer import CaptureObserver, CaptureRecord
+from ppcompile.runtime.state_match import StateMatcher, state_matcher
 from ppcompile.runtime.whole_stage import WholeGraphs
 
 __all__ = ["CapturePolicy", "items_of"]
@@ -64,6 +65,8 @@ class CapturePolicy:
     _debug: bool
     _options_key: int  # the options' hash, compared across a TP group
     _module_state_of: Callable[[Sequence[Any]], tuple[Any, ...]]  # items_of(compiled.state_slots)
+    _matchers: dict[tuple[Any, ...], StateMatcher]  # per instance key
+    _last_state: tuple[StageInstance, StateMatcher] | None  # the last call's instance
 
     # StageRuntime's methods.
     num_tokens: Callable[[tuple[Any, ...]], int]
@@ -100,6 +103,11 @@ class CapturePolicy:
         )
 
     def _state_for(self, args: tuple[Any, ...]) -> StageInstance:
+        """The instance ``args`` belong to, captured now if new: the last call's when its matcher says so
+        (``state_match.py``: one generated expression), else the one of the call's key."""
+        last = self._last_state
+        if last is not None and last[1](args):
+            return last[0]
         key = self._state_key(args)
         state = self._states.get(key)
         if state is None:
@@ -107,6 +115,12 @@ class CapturePolicy:
                 state = self._states.get(key)
                 if state is None:
                     state = self._capture_or_explain(args, key)
+        matcher = self._matchers.get(key)
+        if matcher is None:
+            compiled = self.compiled
+            matcher = self._matchers[key] = state_matcher(compiled.state_slots, compiled.scalar_slots, args,
+                                                          compiled.name)
+        self._last_state = (state, matcher)
         return state
 
     def _capture_or_explain(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> StageInstance:

@@ -56,6 +56,7 @@ from ppcompile.runtime.inspection import StageInspection
 from ppcompile.runtime.instance import ConcurrentCallError, StageInstance
 from ppcompile.runtime.observer import NO_OBSERVER, CaptureObserver, CaptureRecord
 from ppcompile.runtime.sibling_graphs import StaticCalls
+from ppcompile.runtime.state_match import StateMatcher
 from ppcompile.runtime.token_counts import TokenCounts
 from ppcompile.runtime.validation import InputMismatchError, check_inputs
 
@@ -82,6 +83,8 @@ class StageRuntime(StageInspection, CapturePolicy):
         self._states: dict[tuple[Any, ...], StageInstance] = {}
         # What each call reads, looked up once: the state tensors of its args, where its token count is.
         self._module_state_of = items_of(compiled.state_slots)
+        self._matchers: dict[tuple[Any, ...], StateMatcher] = {}
+        self._last_state: tuple[StageInstance, StateMatcher] | None = None
         self._token_slot = compiled.token_slot
         self._token_dim = compiled.token_input or (0, 0)  # where the count is when no input holds it
         assert compiled.token_symbol is None or (self._token_slot, compiled.token_input) != (None, None)
@@ -217,7 +220,7 @@ class StageRuntime(StageInspection, CapturePolicy):
         # Checked before anything is captured or written: a rejected call leaves every buffer as it was.
         check_inputs(compiled.input_specs, args, compiled.program.num_inputs, env_n, compiled.name,
                      self._token_source)
-        state = self._states.get(self._state_key(args)) or self._state_for(args)
+        state = self._state_for(args)
         if state.failed is not None:
             return self.run_eager(args)  # the fall-off was noted when the capture failed
         with state.claim(compiled.name):
