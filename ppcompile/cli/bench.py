@@ -176,7 +176,8 @@ measurement for `pp_breakable`, on a reference-model stage (`ppcompile.models`):
   `torch.profiler` (GPU: kernel intervals; CPU: outermost ATen compute ops and Inductor kernels).
 - **Host overhead** (`bench/overhead.py`): ppcompile's runtime cost per forward and per segment on a
   tiny, deep stage where compute is negligible, against eager's cost per ATen op. Target: at most 10 µs
-  per segment.
+  per segment. With segment bodies as no-ops (ppcompile's own host time), interleaved and back to back:
+  at most 2 µs per graph segment.
 
 GPU targets: at the 2K cap, graphs at least 2.5x eager tokens/s on a small-model stage; wall/busy at most
 1.10 with graphs. `python -m ppcompile bench --quick --write-docs` reruns the CPU figures below (under a
