@@ -95,7 +95,8 @@ class CapturePolicy:
         # key the captured graphs by the identity of the one and the value of the other, and by
         # inference mode, whose tensors (static buffers, graph outputs) cannot be written outside it. A
         # scalar on the device is read in place like state (and reading its value would sync per call).
-        # The hot path: one pass over the state in C (``itemgetter``, ``map``), no Python loop.
+        # Built when the last call's instance does not match (``_state_for``), in debug mode every call:
+        # one pass over the state in C (``itemgetter``, ``map``), no Python loop.
         return (
             torch.is_inference_mode_enabled(),
             *map(id, self._module_state_of(args)),
