@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +27,8 @@ if __package__ in (None, ""):
 
 import torch
 
+from bench.common import median, sync
+
 __all__ = ["compare_launches", "markdown_lines"]
 
 ROUND = 200  # launches between two synchronisations
@@ -37,13 +38,13 @@ KERNELS = (1, 16)  # kernels per captured graph
 def _per_call_us(launch: Callable[[], Any], device: torch.device, rounds: int) -> float:
     times = []
     for _ in range(rounds):
-        torch.cuda.synchronize(device)
+        sync(device)
         start = time.perf_counter()
         for _ in range(ROUND):
             launch()
         times.append((time.perf_counter() - start) / ROUND)
-    torch.cuda.synchronize(device)
-    return 1e6 * statistics.median(times)
+    sync(device)
+    return 1e6 * median(times)
 
 
 def _graph(kernels: int, device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -90,7 +91,7 @@ def _compare(cudart: Any, device: torch.device, rounds: int) -> dict[str, Any]:
             (err,) = cudart.cudaGraphLaunch(executable, raw_stream)
             if err != cudart.cudaError_t.cudaSuccess:
                 return {"skipped": f"cudaGraphLaunch failed: {err}"}
-            torch.cuda.synchronize(device)
+            sync(device)
             x.zero_()
             replay_us = _per_call_us(graph.replay, device, rounds)
             launch = functools.partial(cudart.cudaGraphLaunch, executable, raw_stream)
